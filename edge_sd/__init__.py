@@ -1,0 +1,11 @@
+"""edge-sd: lossless speculative decoding across vocabularies, on a lean ONNX Runtime runtime.
+
+The runtime (this package minus `edge_sd.export`) imports numpy, onnxruntime and tokenizers only.
+"""
+
+__version__ = "0.1.0"
+
+from edge_sd.errors import EdgeSDError  # noqa: E402
+from edge_sd.pipeline import GenerationConfig, GenerationResult, Pipeline  # noqa: E402
+
+__all__ = ["EdgeSDError", "GenerationConfig", "GenerationResult", "Pipeline", "__version__"]

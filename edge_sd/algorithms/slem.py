@@ -1,0 +1,82 @@
+"""Section 2: SLEM, string-level exact match. The drafter's text is re-tokenized by the target
+tokenizer in context; the target's own draws decide, so any candidates are lossless."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.sampling import sample
+from edge_sd.vocab import WINDOW_TOKENS, Vocab, _utf8_complete_end
+
+
+def verify_exact(candidates: list[int], p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+    """Draw the target's own token z_j ~ p_j at each position; accept while z_j == c_j, emit z_j at
+    the first mismatch (or z_{m+1}). p: [m+1, V]. Returns (accepted, next token)."""
+    for i, c in enumerate(candidates):
+        z = sample(p[i], rng)
+        if z != c:
+            return i, z
+    m = len(candidates)
+    return m, sample(p[m], rng)
+
+
+def target_tail(vocab: Vocab, committed: list[int]) -> list[int]:
+    """The last few committed target tokens that have bytes, starting on a character boundary."""
+    tail: list[int] = []
+    for t in reversed(committed[-WINDOW_TOKENS:]):
+        if not vocab.token_bytes[t]:
+            break
+        tail.append(t)
+    tail.reverse()
+    while tail and (vocab.token_bytes[tail[0]] or b"\0")[0] & 0xC0 == 0x80:
+        tail.pop(0)
+    return tail
+
+
+def retokenize(vocab: Vocab, committed: list[int], text: bytes, k: int) -> list[int]:
+    """Target ids for `text` continuing the committed tokens, at most k of them.
+
+    Tokenizes tail + text and keeps what follows the tail when the tail comes back unchanged, so that
+    merges across the boundary come out as the target would produce them; else `text` alone.
+    """
+    tail = target_tail(vocab, committed)
+    tail_bytes = vocab.ids_bytes(tail)
+    joined = tail_bytes + text
+    joined = joined[: _utf8_complete_end(joined)]
+    if len(joined) > len(tail_bytes):
+        ids = vocab.encode_bytes(joined)
+        if ids is not None and ids[: len(tail)] == tail:
+            return ids[len(tail) :][:k]
+    text = text[: _utf8_complete_end(text)]
+    if not text or (text[0] & 0xC0) == 0x80:
+        return []
+    ids = vocab.encode_bytes(text)
+    return (ids or [])[:k]
+
+
+class SLEMProposer:
+    """Greedy drafting (it matches the target best), then target re-tokenization of the text."""
+
+    name = "slem"
+
+    def __init__(self, drafter: DrafterState, target_vocab: Vocab, drafter_eos: list[int]):
+        self.drafter = drafter
+        self.target_vocab = target_vocab
+        self.drafter_eos = set(drafter_eos)
+
+    def propose(self, k: int, committed: list[int]) -> Draft:
+        k = min(k, self.drafter.room())
+        if k <= 0 or self.drafter.lagging:
+            return Draft([], None)
+        text = b""
+        for _ in range(k):
+            d = int(np.argmax(self.drafter.next_logits()))
+            if d in self.drafter_eos or not self.drafter.vocab.token_bytes[d]:
+                break  # no bytes to match: the target's own EOS comes as a correction or bonus
+            self.drafter.push(d)
+            text += self.drafter.vocab.token_bytes[d] or b""
+        return Draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)
+
+    def sync(self, generated: bytes) -> None:
+        self.drafter.sync(generated)

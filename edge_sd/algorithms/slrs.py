@@ -1,0 +1,70 @@
+"""Section 4: SLRS, string-level rejection sampling with the one-token decision horizon.
+
+A fresh proposal samples d ~ q and proposes g(d), the longest target token that is a prefix of
+bytes(d); its distribution psi = q scattered through g is known exactly. When g(d) covers only part of
+bytes(d), the next proposal is the longest target prefix of the leftover bytes, a point mass given d.
+Both are verified with section 1's rule, which is why the proposer only has to state psi.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.sampling import SamplingConfig, sample, warp
+from edge_sd.vocab import Vocab, longest_prefix_token
+
+
+class SLRSProposer:
+    name = "slrs"
+
+    def __init__(self, drafter: DrafterState, target_vocab: Vocab, prefix_map: np.ndarray,
+                 target_width: int, cfg: SamplingConfig, rng: np.random.Generator):
+        self.drafter = drafter
+        self.prefix = prefix_map  # [V_d] g(d), or -1 when no target token is a prefix of bytes(d)
+        self.has_prefix = prefix_map >= 0
+        self.target_width = target_width
+        self.cfg = cfg
+        self.rng = rng
+        self.eos = set(target_vocab.eos_ids)
+        self.tb = target_vocab.token_bytes
+        self.by_bytes = {b: t for t, b in enumerate(self.tb) if b}
+        self.max_len = max((len(b) for b in self.by_bytes), default=0)
+
+    def propose(self, k: int, committed: list[int]) -> Draft:
+        room = self.drafter.room()
+        if k <= 0 or room <= 0 or self.drafter.lagging:
+            return Draft([], None)
+        cands: list[int] = []
+        rows: list[np.ndarray] = []
+        leftover = b""
+        drafted = 0
+        while len(cands) < k:
+            row = np.zeros(self.target_width)
+            if leftover:
+                t = longest_prefix_token(self.by_bytes, leftover, self.max_len)
+                if t >= 0:
+                    row[t] = 1.0
+                    leftover = leftover[len(self.tb[t] or b""):]
+            else:
+                if drafted >= room:
+                    break
+                logits = self.drafter.next_logits()  # [V_d]
+                width = min(len(logits), len(self.prefix))
+                q = warp(logits[:width], self.cfg)
+                d = int(np.argmax(q)) if self.cfg.greedy else sample(q, self.rng)
+                idx = np.nonzero(q * self.has_prefix[:width])[0]
+                np.add.at(row, self.prefix[idx], q[idx])  # psi(t) = sum of q(d) over g(d) = t
+                t = int(self.prefix[d])
+                self.drafter.push(d)
+                drafted += 1
+                if t >= 0:
+                    leftover = (self.drafter.vocab.token_bytes[d] or b"")[len(self.tb[t] or b""):]
+            cands.append(t)
+            rows.append(row)
+            if t < 0 or t in self.eos:
+                break  # "none" is never accepted, and nothing follows EOS
+        return Draft(cands, np.stack(rows) if rows else None)
+
+    def sync(self, generated: bytes) -> None:
+        self.drafter.sync(generated)

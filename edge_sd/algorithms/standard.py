@@ -1,0 +1,97 @@
+"""Section 1: standard speculative sampling, and the drafting shared with TLI (token-level maps)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.sampling import SamplingConfig, residual, sample, warp
+
+
+def verify_standard(
+    candidates: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator
+) -> tuple[int, int]:
+    """Accept c_i with probability min(1, p_i(c_i) / q_i(c_i)); at the first rejection emit a sample of
+    norm(max(0, p_i - q_i)); if all pass, a sample of p_{m+1}.
+
+    candidates: m target ids (-1: a proposal outside the target vocabulary, always rejected)
+    q: [m, V] proposal distributions; p: [m+1, V] target distributions. Returns (accepted, next token).
+    """
+    for i, c in enumerate(candidates):
+        if c >= 0 and q[i, c] > 0.0:
+            ratio = p[i, c] / q[i, c]
+            if ratio >= 1.0 or rng.random() < ratio:
+                continue
+        return i, sample(residual(p[i], q[i]), rng)
+    m = len(candidates)
+    return m, sample(p[m], rng)
+
+
+def verify_greedy(candidates: list[int], logits: np.ndarray) -> tuple[int, int]:
+    """Greedy decoding, where every algorithm's rule reduces to: accept while c_i == argmax p_i.
+
+    logits: [m+1, V]. Ties go to the lowest id (np.argmax), as in plain greedy decoding.
+    """
+    top = np.argmax(logits, axis=-1)
+    for i, c in enumerate(candidates):
+        if c != top[i]:
+            return i, int(top[i])
+    return len(candidates), int(top[len(candidates)])
+
+
+class MappedProposer:
+    """Drafts drafter tokens that have a target twin and proposes the twins (TLI; standard when the
+    map is the identity). q' is the drafter's warped distribution restricted to mapped ids."""
+
+    name = "standard"
+
+    def __init__(self, drafter: DrafterState, token_map: np.ndarray, target_width: int,
+                 cfg: SamplingConfig, rng: np.random.Generator, eos_ids: list[int]):
+        self.drafter = drafter
+        self.map = token_map  # [V_d] target id or -1
+        self.mapped = token_map >= 0
+        self.target_width = target_width
+        self.cfg = cfg
+        self.rng = rng
+        self.eos = set(eos_ids)
+
+    def propose(self, k: int, committed: list[int]) -> Draft:
+        k = min(k, self.drafter.room())
+        if k <= 0 or self.drafter.lagging:
+            return Draft([], None)
+        cands: list[int] = []
+        rows: list[np.ndarray] = []
+        for _ in range(k):
+            logits = self.drafter.next_logits()  # [V_d]
+            width = min(len(logits), len(self.map))
+            if self.cfg.greedy:
+                masked = np.where(self.mapped[:width], logits[:width], -np.inf)
+                d = int(np.argmax(masked))
+                if not np.isfinite(masked[d]):
+                    break
+                qd = np.zeros(width)
+                qd[d] = 1.0
+            else:
+                qd = warp(logits[:width], self.cfg) * self.mapped[:width]
+                mass = qd.sum()
+                if mass <= 0.0:  # top-k/top-p left nothing in the intersection: stop drafting
+                    break
+                qd /= mass
+                d = sample(qd, self.rng)
+            row = np.zeros(self.target_width)
+            idx = np.nonzero(qd)[0]
+            np.add.at(row, self.map[idx], qd[idx])  # two drafter ids on one target id add up
+            t = int(self.map[d])
+            cands.append(t)
+            rows.append(row)
+            self.drafter.push(d)
+            if t in self.eos:
+                break
+        return Draft(cands, np.stack(rows) if rows else None)
+
+    def sync(self, generated: bytes) -> None:
+        self.drafter.sync(generated)
+
+
+class TLIProposer(MappedProposer):
+    name = "tli"

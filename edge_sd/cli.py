@@ -1,0 +1,240 @@
+"""The `edge-sd` command line: export, generate, inspect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from edge_sd.errors import EdgeSDError, UsageError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Lossless speculative decoding across vocabularies, on ONNX Runtime.",
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+def _fail(e: EdgeSDError) -> None:
+    err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    raise typer.Exit(e.exit_code)
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except EdgeSDError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def export(
+    target: str = typer.Option(..., "--target", "-t", help="HF model id, local HF folder, or .gguf file."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", "-d", help="Drafter source (same kinds)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Artifact folder [engines/<names>]."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for the target."),
+    drafter_tokenizer: Optional[str] = typer.Option(None, "--drafter-tokenizer", help="... for the drafter."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 | int8 | int4."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Cap the manifest's context."),
+    no_validate: bool = typer.Option(False, "--no-validate", help="Skip the parity checks (not advised)."),
+    force: bool = typer.Option(False, "--force", "-f", help="Replace an existing folder."),
+) -> None:
+    """Export a target (and optionally a drafter) to ONNX engines with KV cache, plus manifests.
+
+    Examples:
+
+      edge-sd export -t ./gemma-3-270m-q4_k_m.gguf --tokenizer gemma3/tokenizer.json
+
+      edge-sd export -t google/gemma-3-270m -d HuggingFaceTB/SmolLM2-135M-Instruct -o engines/pair
+    """
+    with _errors():
+        try:
+            from edge_sd.export.hf import ExportOptions
+            from edge_sd.export.pair import default_out
+            from edge_sd.export.pair import export as do_export
+        except ImportError as e:
+            raise UsageError(f"export needs the export extra: pip install 'edge-sd[export]' ({e})") from None
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        dest = out_dir or default_out(target, drafter)
+        opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=err, transient=False) as progress:
+
+            @contextmanager
+            def step(name: str) -> Iterator[None]:
+                task = progress.add_task(name, total=None)
+                try:
+                    yield
+                finally:
+                    progress.update(task, total=1, completed=1)
+                    progress.stop_task(task)
+
+            summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step)
+        _print_export_summary(summary)
+
+
+def _print_export_summary(summary: dict) -> None:
+    table = Table(title=f"exported to {summary['out']}")
+    for col in ("engine", "arch", "precision", "vocab", "files", "size MB", "max diff vs torch",
+                "cache checks"):
+        table.add_column(col)
+    for role, e in summary["engines"].items():
+        v = e["validation"]
+        cache = max((v.get(k, 0.0) for k in ("max_rel_diff_cached_step", "max_rel_diff_multi_token",
+                                               "max_rel_diff_after_truncate")), default=0.0)
+        table.add_row(
+            f"{role}: {e['name']}", e["architecture"], e["precision"], str(e["vocab"]),
+            ", ".join(e["files"]), f"{sum(e['files'].values()) / 1e6:.1f}",
+            f"{v['max_rel_diff_vs_torch']:.1e}" if v else "not validated",
+            f"{cache:.1e}" if v else "-",
+        )
+    out.print(table)
+    if "pair" in summary:
+        p = summary["pair"]
+        out.print(
+            f"pair: target vocab {p['target_vocab']}, drafter vocab {p['drafter_vocab']}, "
+            f"intersection {p['intersection']}, prefix-mapped {p['prefix_mapped']}, "
+            f"same vocabulary: {p['same_vocabulary']}"
+        )
+
+
+@app.command()
+def generate(
+    folder: Path = typer.Argument(..., help="Pair folder or single-engine folder."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (else --prompt-file or stdin)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same output."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs."),
+    lookahead: int = typer.Option(5, "--lookahead", "-k", help="Candidates per target forward."),
+    provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
+    no_stream: bool = typer.Option(False, "--no-stream", help="Print the text at the end only."),
+    verify: bool = typer.Option(False, "--verify", help="Check file checksums before loading."),
+) -> None:
+    """Generate text: speculative decoding on a pair folder, plain decoding on a single engine.
+
+    Examples:
+
+      edge-sd generate engines/gemma3-270m_smollm2-135m -p "The capital of France is" -n 32
+
+      echo "def fib(n):" | edge-sd generate engines/pair -a slrs -k 4 --json
+
+      edge-sd generate engines/pair -p "Tell me a story" --chat --temperature 0.8 --seed 1
+    """
+    with _errors():
+        from edge_sd.pipeline import GenerationConfig, Pipeline
+
+        text = _read_prompt(prompt, prompt_file)
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=tuple(stop), chat=chat, algorithm=algorithm, lookahead=lookahead,
+        )
+        cfg.check()
+        pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
+        for note in pipe.notes:
+            err.print(f"note: {note}")
+        events = pipe.stream_events(text, cfg)
+        streaming = not (as_json or no_stream)
+        while True:
+            try:
+                event = next(events)
+            except StopIteration as done:
+                result = done.value
+                break
+            if streaming and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        if as_json:
+            sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+            return
+        if not streaming:
+            sys.stdout.write(result.text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        err.print(result.stats.line(), highlight=False, soft_wrap=True)
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+    if prompt is not None:
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no prompt: pass --prompt TEXT, --prompt-file PATH, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+@app.command()
+def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engine folder.")) -> None:
+    """Show the manifests, vocabulary sizes and, for a pair, the vocabulary overlap.
+
+    Example:
+
+      edge-sd inspect engines/gemma3-270m_smollm2-135m
+    """
+    with _errors():
+        from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, load_engine_manifest, load_pair_manifest
+
+        if not folder.is_dir():
+            raise UsageError(f"{folder} is not a folder")
+        if (folder / PAIR_FILE).is_file():
+            pm = load_pair_manifest(folder)
+            roles = {"target": folder / pm.target, "drafter": folder / pm.drafter}
+        elif (folder / ENGINE_FILE).is_file():
+            pm = None
+            roles = {"model": folder}
+        else:
+            raise UsageError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}")
+        table = Table(title=str(folder))
+        table.add_column("field")
+        for role in roles:
+            table.add_column(role)
+        manifests = {role: load_engine_manifest(p) for role, p in roles.items()}
+        fields = ("name", "architecture", "precision", "num_layers", "num_kv_heads", "head_dim",
+                  "vocab_size", "logits_width", "bos_token_id", "add_bos", "eos_token_ids",
+                  "has_position_ids", "max_context", "sliding_window", "source")
+        for f in fields:
+            table.add_row(f, *(str(getattr(m, f)) for m in manifests.values()))
+        table.add_row("size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values()))
+        out.print(table)
+        if pm is not None:
+            s = pm.stats
+            out.print(
+                f"same vocabulary: {pm.same_vocabulary}; intersection {s.get('intersection')} of "
+                f"{s.get('drafter_vocab')} drafter tokens; prefix-mapped {s.get('prefix_mapped')}"
+            )
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

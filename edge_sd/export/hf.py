@@ -1,0 +1,307 @@
+"""Hugging Face model id, local folder or GGUF file -> engine folder (ONNX with KV I/O + manifest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_sd import __version__
+from edge_sd.errors import ExportError, UsageError
+from edge_sd.manifest import (
+    FORMAT_VERSION,
+    PRECISIONS,
+    EngineManifest,
+    file_entries,
+    save,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+TASK = "text-generation-with-past"
+# End-of-turn markers of common chat formats: generation stops at them as at EOS when they exist.
+CHAT_END_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+# Precisions whose export path is implemented; the rest are accepted names that error clearly.
+SUPPORTED_PRECISIONS = ("fp32", "int8", "int4")
+
+Step = Callable[[str], Any]  # a progress callback: returns a context manager for one named step
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    precision: str = "fp32"
+    max_context: int | None = None
+    validate: bool = True
+    opset: int | None = None
+
+
+def _null_step(name: str) -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
+def source_name(src: str) -> str:
+    """A folder-friendly name for a source: `org/Model-1B` -> `model-1b`, `x.Q4.gguf` -> `x.q4`."""
+    base = Path(src.rstrip("/")).name
+    base = re.sub(r"\.gguf$", "", base, flags=re.I)
+    return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def resolve_source(src: str, workdir: Path, step: Step) -> tuple[str, Any]:
+    """Return (a path or id that `from_pretrained` reads, the HF tokenizer or None).
+
+    A GGUF file is dequantized through transformers into an HF folder under `workdir`; the export
+    and the validation subprocess then read that folder instead of parsing the GGUF twice.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(src)
+    if src.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise UsageError(f"GGUF file {src} not found")
+        hf_dir = workdir / "hf"
+        with step(f"load {path.name} (GGUF, dequantized to fp32)"):
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype="float32"
+                )
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except Exception as e:
+                raise ExportError(f"could not load GGUF {src}: {_short(e)}") from None
+            model.save_pretrained(hf_dir)
+            tok.save_pretrained(hf_dir)
+        return str(hf_dir), tok
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{src} is a file but not a .gguf; pass a GGUF file, an HF folder or a model id")
+    if not path.exists() and (src.startswith((".", "/")) or src.count("/") > 1):
+        raise UsageError(f"source {src} not found (not a folder, a .gguf file or a model id)")
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+    except Exception:
+        tok = None  # a model without an HF tokenizer still exports with --tokenizer
+    return src, tok
+
+
+def _tokenizer_json(tok: Any, override: str | None, dest: Path) -> dict:
+    """Write `tokenizer.json` into dest from --tokenizer or from the model's own fast tokenizer."""
+    if override:
+        p = Path(override)
+        if p.is_dir():
+            p = p / TOKENIZER_FILE
+        if not p.is_file():
+            raise UsageError(f"tokenizer {override} not found (give a tokenizer.json or its folder)")
+        shutil.copyfile(p, dest / TOKENIZER_FILE)
+    elif tok is not None and getattr(tok, "is_fast", False):
+        tok.backend_tokenizer.save(str(dest / TOKENIZER_FILE))
+    else:
+        raise ExportError("the model has no fast tokenizer to export; pass --tokenizer tokenizer.json")
+    try:
+        return json.loads((dest / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{override}: not a valid tokenizer.json ({e})") from None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _special_tokens(tj: dict, tok: Any, config: Any, gen: Any) -> tuple[int | None, bool, list[int], int | None]:
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_str(json.dumps(tj))
+    bos = config.bos_token_id if getattr(config, "bos_token_id", None) is not None else None
+    if bos is None and tok is not None:
+        bos = tok.bos_token_id
+    if isinstance(bos, list):
+        bos = bos[0] if bos else None
+    # BOS goes in front of a prompt when the tokenizer itself would add it; the runtime then adds it
+    # explicitly (add_bos), so that hosts in other languages need no post-processor.
+    with_special = t.encode("a", add_special_tokens=True).ids
+    without = t.encode("a", add_special_tokens=False).ids
+    add_bos = bos is not None and len(with_special) > len(without) and with_special[0] == bos
+    eos = _ids(getattr(config, "eos_token_id", None)) + _ids(getattr(gen, "eos_token_id", None))
+    if tok is not None and tok.eos_token_id is not None:
+        eos.append(int(tok.eos_token_id))
+    for marker in CHAT_END_MARKERS:
+        mid = t.token_to_id(marker)
+        if mid is not None:
+            eos.append(mid)
+    pad = getattr(config, "pad_token_id", None)
+    return bos, add_bos, sorted(set(eos)), pad if isinstance(pad, int) else None
+
+
+def _chat_template(tok: Any, override: str | None) -> str | None:
+    if override:
+        cfg = Path(override)
+        cfg = (cfg if cfg.is_dir() else cfg.parent) / "tokenizer_config.json"
+        if cfg.is_file():
+            template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, str):
+                return template
+    template = getattr(tok, "chat_template", None) if tok is not None else None
+    return template if isinstance(template, str) else None
+
+
+def export_engine(
+    src: str,
+    dest: Path,
+    opts: ExportOptions,
+    tokenizer: str | None = None,
+    step: Step = _null_step,
+    name: str | None = None,
+) -> EngineManifest:
+    """Export one model into `dest` (an existing, empty folder) and validate it."""
+    if opts.precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {opts.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if opts.precision not in SUPPORTED_PRECISIONS:
+        raise UsageError(
+            f"precision {opts.precision} is not implemented yet; use one of {', '.join(SUPPORTED_PRECISIONS)}"
+        )
+    _quiet()
+    from optimum.exporters.onnx import main_export
+    from transformers import AutoConfig, GenerationConfig
+
+    with tempfile.TemporaryDirectory(prefix="edge-sd-export-") as work:
+        workdir = Path(work)
+        hf_src, tok = resolve_source(src, workdir, step)
+        try:
+            config = AutoConfig.from_pretrained(hf_src)
+        except Exception as e:
+            raise ExportError(f"could not read the model config of {src}: {_short(e)}") from None
+        try:
+            gen = GenerationConfig.from_pretrained(hf_src)
+        except Exception:
+            gen = None
+        tj = _tokenizer_json(tok, tokenizer, dest)
+        onnx_dir = workdir / "onnx"
+        with step(f"export {source_name(src)} to ONNX ({TASK})"):
+            try:
+                main_export(
+                    hf_src, onnx_dir, task=TASK, opset=opts.opset, do_validation=False,
+                    no_post_process=False, library_name="transformers",
+                )
+            except Exception as e:
+                raise ExportError(f"optimum could not export {src}: {_short(e)}") from None
+        for f in onnx_dir.iterdir():
+            if f.name.startswith("model.onnx"):
+                shutil.move(str(f), dest / f.name)
+        if opts.precision in ("int8", "int4"):
+            from edge_sd.export.quantize import quantize
+
+            with step(f"quantize to {opts.precision}"):
+                quantize(dest, opts.precision)
+        manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer)
+        save(manifest, dest)
+        if opts.validate:
+            with step("validate against torch (subprocess)"):
+                figures = run_validation(dest, hf_src, opts.precision)
+            manifest = EngineManifest(**{**manifest.__dict__, "validation": figures})
+            save(manifest, dest)
+        return manifest
+
+
+def _manifest(
+    src: str, dest: Path, config: Any, gen: Any, tok: Any, tj: dict, opts: ExportOptions,
+    name: str, tokenizer: str | None,
+) -> EngineManifest:
+    import onnx
+    import optimum
+    import torch
+    import transformers
+
+    model = onnx.load(str(dest / "model.onnx"), load_external_data=False)
+    inputs = {i.name: i for i in model.graph.input}
+    outputs = [o.name for o in model.graph.output]
+    n_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+    k0 = inputs["past_key_values.0.key"].type.tensor_type
+    dims = [d.dim_value for d in k0.shape.dim]
+    kv_dtype = "float16" if k0.elem_type == onnx.TensorProto.FLOAT16 else "float32"
+    logits_dims = [d.dim_value for d in next(o for o in model.graph.output if o.name == "logits")
+                   .type.tensor_type.shape.dim]
+    bos, add_bos, eos, pad = _special_tokens(tj, tok, config, gen)
+    from tokenizers import Tokenizer
+
+    vocab_size = Tokenizer.from_str(json.dumps(tj)).get_vocab_size(with_added_tokens=True)
+    max_ctx = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    if opts.max_context:
+        max_ctx = min(max_ctx, opts.max_context)
+    heads = int(config.num_attention_heads)
+    try:
+        from importlib.metadata import version
+
+        optimum_version = version("optimum-onnx")
+    except Exception:
+        optimum_version = getattr(optimum, "__version__", "?")
+    return EngineManifest(
+        format_version=FORMAT_VERSION,
+        name=name,
+        architecture=str(config.model_type),
+        num_layers=n_layers,
+        num_attention_heads=heads,
+        num_kv_heads=dims[1],
+        head_dim=dims[3],
+        hidden_size=int(config.hidden_size),
+        kv_dtype=kv_dtype,
+        precision=opts.precision,
+        logits_width=logits_dims[-1] or int(config.vocab_size),
+        vocab_size=vocab_size,
+        bos_token_id=bos,
+        add_bos=add_bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        has_position_ids="position_ids" in inputs,
+        max_context=max_ctx,
+        sliding_window=getattr(config, "sliding_window", None),
+        model_file="model.onnx",
+        tokenizer_file=TOKENIZER_FILE,
+        input_names=list(inputs),
+        output_names=outputs,
+        chat_template=_chat_template(tok, tokenizer),
+        source=src,
+        exporter={
+            "edge_sd": __version__,
+            "optimum_onnx": optimum_version,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__.split("+")[0],
+            "onnx": onnx.__version__,
+        },
+        files=file_entries(dest),
+    )
+
+
+def run_validation(engine_dir: Path, hf_src: str, precision: str) -> dict:
+    """Run export/validate.py in a subprocess (torch and ORT in one process can fight over threads
+    and memory; a crash there must not take the export's clean-up with it)."""
+    cmd = [sys.executable, "-m", "edge_sd.export.validate", str(engine_dir), hf_src, "--precision", precision]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if lines:
+            detail = json.loads(lines[-1]).get("error", detail)
+        raise ExportError(f"validation of {engine_dir.name} failed: {detail}")
+    return json.loads(lines[-1])
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]

@@ -1,0 +1,85 @@
+"""Export one engine, or a target and a drafter with their vocabulary maps, atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge_sd.export.atomic import atomic_folder
+from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name
+from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
+from edge_sd.vocab import Vocab, build_maps, same_vocabulary
+
+MAPS_FILE = "maps.npz"
+
+
+def default_out(target: str, drafter: str | None) -> Path:
+    name = source_name(target) + (f"_{source_name(drafter)}" if drafter else "")
+    return Path("engines") / name
+
+
+def export(
+    target: str,
+    drafter: str | None,
+    out: Path,
+    opts: ExportOptions,
+    tokenizer: str | None = None,
+    drafter_tokenizer: str | None = None,
+    force: bool = False,
+    step: Step = _null_step,
+) -> dict:
+    """Export into `out`; returns what the CLI summarises. Nothing is left behind on failure."""
+    summary: dict = {"out": str(out), "engines": {}}
+    with atomic_folder(out, force=force) as tmp:
+        if drafter is None:
+            m = export_engine(target, tmp, opts, tokenizer, step)
+            summary["engines"]["model"] = _engine_summary(m, tmp)
+            return summary
+        engines: dict[str, EngineManifest] = {}
+        for role, src, tok in (("target", target, tokenizer), ("drafter", drafter, drafter_tokenizer)):
+            (tmp / role).mkdir()
+            engines[role] = export_engine(src, tmp / role, opts, tok, step, name=source_name(src))
+            summary["engines"][role] = _engine_summary(engines[role], tmp / role)
+        with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
+            stats = write_pair(tmp, engines["target"], engines["drafter"])
+        summary["pair"] = stats
+    return summary
+
+
+def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest) -> dict:
+    """Write maps.npz and pair.json into a folder that holds target/ and drafter/ engine folders."""
+    tv = Vocab.from_file(folder / "target" / target.tokenizer_file, target.eos_token_ids)
+    dv = Vocab.from_file(folder / "drafter" / drafter.tokenizer_file, drafter.eos_token_ids)
+    maps = build_maps(dv, tv)
+    maps.save(folder / MAPS_FILE)
+    stats = {
+        "target_vocab": tv.size,
+        "drafter_vocab": dv.size,
+        "intersection": int((maps.intersection >= 0).sum()),
+        "prefix_mapped": int((maps.prefix >= 0).sum()),
+    }
+    pm = PairManifest(
+        format_version=FORMAT_VERSION,
+        name=folder.name,
+        target="target",
+        drafter="drafter",
+        same_vocabulary=same_vocabulary(tv, dv),
+        maps_file=MAPS_FILE,
+        target_tokenizer_sha256=sha256_file(folder / "target" / target.tokenizer_file),
+        drafter_tokenizer_sha256=sha256_file(folder / "drafter" / drafter.tokenizer_file),
+        stats=stats,
+    )
+    save(pm, folder)
+    return {**stats, "same_vocabulary": pm.same_vocabulary}
+
+
+def _engine_summary(m: EngineManifest, folder: Path) -> dict:
+    return {
+        "name": m.name,
+        "architecture": m.architecture,
+        "precision": m.precision,
+        "vocab": m.vocab_size,
+        "logits_width": m.logits_width,
+        "max_context": m.max_context,
+        "files": {f.path: f.bytes for f in m.files},
+        "validation": m.validation,
+    }

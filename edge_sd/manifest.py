@@ -1,0 +1,184 @@
+"""The artifact contract: `engine.json` (one per engine folder) and `pair.json` (one per pair folder).
+
+Everything a host needs to drive an exported model without Python lives here; README.md documents the
+fields for C# and C++ hosts. Both files are validated on load: a missing field, a wrong type or an
+unknown format version is an ArtifactError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_sd.errors import ArtifactError
+
+ENGINE_FILE = "engine.json"
+PAIR_FILE = "pair.json"
+# Bumped whenever a field changes meaning; readers refuse versions they do not know.
+FORMAT_VERSION = 1
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of an artifact folder, with what is needed to check it."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class EngineManifest:
+    """Everything needed to drive one exported decoder (see README, "The manifest contract")."""
+
+    format_version: int
+    name: str
+    architecture: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    kv_dtype: str
+    precision: str
+    logits_width: int
+    vocab_size: int
+    bos_token_id: int | None
+    add_bos: bool
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    has_position_ids: bool
+    max_context: int
+    sliding_window: int | None
+    model_file: str
+    tokenizer_file: str
+    input_names: list[str]
+    output_names: list[str]
+    past_key_template: str = "past_key_values.{i}.key"
+    past_value_template: str = "past_key_values.{i}.value"
+    present_key_template: str = "present.{i}.key"
+    present_value_template: str = "present.{i}.value"
+    chat_template: str | None = None
+    source: str = ""
+    exporter: dict[str, str] = field(default_factory=dict)
+    files: list[FileEntry] = field(default_factory=list)
+    validation: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PairManifest:
+    """A target and a drafter folder side by side, plus the precomputed vocabulary maps."""
+
+    format_version: int
+    name: str
+    target: str
+    drafter: str
+    same_vocabulary: bool
+    maps_file: str | None
+    target_tokenizer_sha256: str
+    drafter_tokenizer_sha256: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks so that multi-GB weights do not fill memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entries(folder: Path, exclude: tuple[str, ...] = (ENGINE_FILE,)) -> list[FileEntry]:
+    """Checksum every file of a folder (sorted, relative paths)."""
+    entries = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and rel not in exclude:
+            entries.append(FileEntry(rel, p.stat().st_size, sha256_file(p)))
+    return entries
+
+
+def _from_dict(cls: type, data: Any, source: Path) -> Any:
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{source}: format_version {version!r} is not supported by this edge-sd "
+            f"(it reads version {FORMAT_VERSION}); re-export the model or upgrade edge-sd"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ArtifactError(f"{source}: required field {f.name!r} is missing")
+            continue
+        kwargs[f.name] = data[f.name]
+    if cls is EngineManifest:
+        try:
+            kwargs["files"] = [FileEntry(**e) for e in kwargs.get("files", [])]
+        except TypeError as e:
+            raise ArtifactError(f"{source}: bad 'files' entry: {e}") from None
+    obj = cls(**kwargs)
+    _check_types(obj, source)
+    return obj
+
+
+def _check_types(obj: Any, source: Path) -> None:
+    # A light check of the scalar fields: enough to turn a hand-edited manifest into a clear message.
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        expected = {"int": int, "str": str, "bool": bool}.get(str(f.type))
+        if expected is not None and (not isinstance(value, expected) or
+                                     (expected is int and isinstance(value, bool))):
+            raise ArtifactError(f"{source}: field {f.name!r} should be {f.type}, got {value!r}")
+    if isinstance(obj, EngineManifest) and obj.precision not in PRECISIONS:
+        raise ArtifactError(f"{source}: unknown precision {obj.precision!r}")
+
+
+def _load_json(path: Path) -> Any:
+    if not path.is_file():
+        raise ArtifactError(f"{path} not found: is this an edge-sd artifact folder?")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_engine_manifest(folder: Path) -> EngineManifest:
+    path = Path(folder) / ENGINE_FILE
+    return _from_dict(EngineManifest, _load_json(path), path)
+
+
+def load_pair_manifest(folder: Path) -> PairManifest:
+    path = Path(folder) / PAIR_FILE
+    return _from_dict(PairManifest, _load_json(path), path)
+
+
+def save(obj: EngineManifest | PairManifest, folder: Path) -> Path:
+    name = ENGINE_FILE if isinstance(obj, EngineManifest) else PAIR_FILE
+    path = Path(folder) / name
+    path.write_text(json.dumps(dataclasses.asdict(obj), indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def check_files(manifest: EngineManifest, folder: Path, full: bool = False) -> None:
+    """Check that the files listed in a manifest are there with the right size (and hash if `full`)."""
+    for entry in manifest.files:
+        p = Path(folder) / entry.path
+        if not p.is_file():
+            raise ArtifactError(f"{p} is missing (listed in {ENGINE_FILE})")
+        size = p.stat().st_size
+        if size != entry.bytes:
+            raise ArtifactError(
+                f"{p} is {size} bytes but the manifest says {entry.bytes}: the file is corrupted "
+                "or was replaced; re-export"
+            )
+        if full and sha256_file(p) != entry.sha256:
+            raise ArtifactError(f"{p}: sha256 does not match the manifest: the file is corrupted")

@@ -1,0 +1,237 @@
+"""The public Python API: load an artifact folder, generate or stream text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_sd.algorithms import ALGORITHMS, DrafterState, MappedProposer, SLEMProposer, SLRSProposer, TLIProposer
+from edge_sd.algorithms.base import Proposer
+from edge_sd.engines.ort import OrtEngine
+from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
+from edge_sd.loop import Decoder, LoopLimits
+from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
+from edge_sd.sampling import SamplingConfig
+from edge_sd.stats import Stats
+from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
+
+# Until the real-pair benchmark settles it: drafts of 5 tokens.
+DEFAULT_LOOKAHEAD = 5
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate. temperature 0 is greedy; seed fixes sampling (same seed, same output)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    algorithm: str = "auto"
+    lookahead: int = DEFAULT_LOOKAHEAD
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.lookahead < 0:
+            raise UsageError(f"lookahead must be >= 0, got {self.lookahead}")
+        if self.algorithm not in ALGORITHMS:
+            raise UsageError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if any(not s for s in self.stop):
+            raise UsageError("stop strings must not be empty")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class _Side:
+    """One engine with its tokenizer."""
+
+    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool):
+        self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify)
+        self.manifest: EngineManifest = self.engine.manifest
+        self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        m = self.manifest
+        text = render_chat(m, prompt) if chat else prompt
+        ids = self.vocab.encode_text(text)
+        bos = m.bos_token_id
+        if m.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+
+def render_chat(m: EngineManifest, prompt: str) -> str:
+    """Apply the engine's chat template (jinja2, as Hugging Face's templates are written)."""
+    if not m.chat_template:
+        raise UsageError(f"{m.name} has no chat template; drop --chat")
+    try:
+        import jinja2
+    except ImportError:
+        raise UsageError("--chat needs jinja2 (pip install jinja2)") from None
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg: str) -> None:
+        raise UsageError(f"chat template: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    specials = {"bos_token": "", "eos_token": ""}
+    return env.from_string(m.chat_template).render(
+        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **specials
+    )
+
+
+class Pipeline:
+    """A target engine and, for a pair folder, a drafter engine with the vocabulary maps.
+
+    Example:
+        >>> pipe = Pipeline.from_folder("engines/gemma3-270m_smollm2-135m")
+        >>> result = pipe.generate("Once upon a time", GenerationConfig(max_new_tokens=32))
+        >>> print(result.text, result.stats.tokens_per_second)
+    """
+
+    def __init__(self, target: _Side, drafter: _Side | None = None, maps: VocabMaps | None = None,
+                 same_vocab: bool = False, notes: list[str] | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.maps = maps
+        self.same_vocab = same_vocab
+        self.notes = notes or []
+
+    @classmethod
+    def from_folder(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
+                    verify: bool = False) -> Pipeline:
+        """Load a pair folder (pair.json) or a single engine folder (engine.json)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
+        if (folder / PAIR_FILE).is_file():
+            pm = load_pair_manifest(folder)
+            target = _Side(folder / pm.target, provider, threads, verify)
+            drafter = _Side(folder / pm.drafter, provider, threads, verify)
+            maps, notes = _load_maps(folder, pm, target, drafter)
+            return cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
+        if (folder / ENGINE_FILE).is_file():
+            return cls(_Side(folder, provider, threads, verify))
+        raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
+
+    def resolve_algorithm(self, cfg: GenerationConfig) -> str:
+        algo = cfg.algorithm
+        if algo == "auto":
+            if self.drafter is None:
+                return "ar"
+            if self.same_vocab:
+                return "standard"
+            return "slem" if cfg.temperature <= 0 else "tli"
+        if algo != "ar" and self.drafter is None:
+            raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
+        if algo == "standard" and not self.same_vocab:
+            raise UsageError(
+                "--algorithm standard needs one vocabulary for target and drafter; these differ "
+                "(use slem, tli or slrs)"
+            )
+        return algo
+
+    def _proposer(self, algo: str, cfg: SamplingConfig, rng: np.random.Generator,
+                  drafter_ids: list[int]) -> Proposer | None:
+        if algo == "ar":
+            return None
+        assert self.drafter is not None and self.maps is not None
+        state = DrafterState(self.drafter.engine, self.drafter.vocab, drafter_ids)
+        width = self.target.manifest.logits_width
+        if algo == "standard":
+            identity = np.arange(self.drafter.vocab.size, dtype=np.int64)
+            return MappedProposer(state, identity, width, cfg, rng, self.target.vocab.eos_ids)
+        if algo == "tli":
+            return TLIProposer(state, self.maps.intersection, width, cfg, rng, self.target.vocab.eos_ids)
+        if algo == "slem":
+            return SLEMProposer(state, self.target.vocab, self.drafter.vocab.eos_ids)
+        return SLRSProposer(state, self.target.vocab, self.maps.prefix, width, cfg, rng)
+
+    def stream_events(self, prompt: str, config: GenerationConfig | None = None) -> Iterator[Any]:
+        """Yield one `Emitted` per round, then return the GenerationResult (generator return value)."""
+        cfg = config or GenerationConfig()
+        cfg.check()
+        if not prompt:
+            raise UsageError("the prompt is empty")
+        algo = self.resolve_algorithm(cfg)
+        ids = self.target.prompt_ids(prompt, cfg.chat)
+        if not ids:
+            raise UsageError("the prompt encodes to no tokens")
+        max_ctx = self.target.manifest.max_context
+        if len(ids) > max_ctx:
+            raise ContextLimitError(
+                f"the prompt is {len(ids)} tokens; {self.target.manifest.name} takes at most {max_ctx}"
+            )
+        sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+        rng = np.random.default_rng(cfg.seed)
+        proposer = None
+        if algo != "ar":
+            assert self.drafter is not None
+            d_ids = self.drafter.prompt_ids(prompt, cfg.chat and bool(self.drafter.manifest.chat_template))
+            # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
+            if 0 < len(d_ids) < self.drafter.manifest.max_context:
+                proposer = self._proposer(algo, sampling, rng, d_ids)
+                self.drafter.engine.reset()
+        stats = Stats(algorithm=algo, lookahead=cfg.lookahead if algo != "ar" else 0)
+        decoder = Decoder(self.target.engine, self.target.vocab, proposer, sampling, rng, cfg.lookahead)
+        limits = LoopLimits(cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))
+        pieces = []
+        for event in decoder.run(ids, limits, stats):
+            pieces.append(event.text)
+            yield event
+        return GenerationResult("".join(pieces), decoder.out_ids, stats, ids)
+
+    def stream(self, prompt: str, config: GenerationConfig | None = None) -> Iterator[str]:
+        """Yield text pieces as they become printable (never half a UTF-8 character)."""
+        for event in self.stream_events(prompt, config):
+            if event.text:
+                yield event.text
+
+    def generate(self, prompt: str, config: GenerationConfig | None = None) -> GenerationResult:
+        gen = self.stream_events(prompt, config)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+
+def _load_maps(folder: Path, pm: Any, target: _Side, drafter: _Side) -> tuple[VocabMaps, list[str]]:
+    """Load the pair's vocabulary maps, rebuilding them (and saying so) when missing or stale."""
+    notes = []
+    t_sha = sha256_file(folder / pm.target / target.manifest.tokenizer_file)
+    d_sha = sha256_file(folder / pm.drafter / drafter.manifest.tokenizer_file)
+    path = folder / pm.maps_file if pm.maps_file else None
+    fresh = t_sha == pm.target_tokenizer_sha256 and d_sha == pm.drafter_tokenizer_sha256
+    if path is not None and path.is_file() and fresh:
+        try:
+            return VocabMaps.load(path), notes
+        except Exception as e:  # a damaged maps file is rebuilt, not fatal
+            notes.append(f"vocabulary maps in {path} unreadable ({e}); rebuilt them")
+    else:
+        why = "missing" if path is None or not path.is_file() else "stale (tokenizers changed)"
+        notes.append(f"vocabulary maps {why}; rebuilt them in memory")
+    return build_maps(drafter.vocab, target.vocab), notes

@@ -1,0 +1,68 @@
+"""Warping and sampling, in float64. Naming: `p` is the target's distribution, `q` the drafter's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The user's sampling settings. temperature 0 means greedy (ties go to the lowest id)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """Probabilities after temperature, top-k and top-p. logits: [..., V] -> float64 [..., V].
+
+    Greedy gives a one-hot at the argmax, so that every verifier's general rule reduces to exact match.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if cfg.greedy:
+        out = np.zeros_like(x)
+        np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        return out
+    x = x / cfg.temperature
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        kth = np.partition(x, -cfg.top_k, axis=-1)[..., -cfg.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if cfg.top_p < 1.0:
+        p = _top_p(p, cfg.top_p)
+    return p
+
+
+def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
+    order = np.argsort(-p, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(p, order, axis=-1)
+    before = np.cumsum(sorted_p, axis=-1) - sorted_p
+    keep_sorted = before < top_p
+    keep = np.zeros_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    out = np.where(keep, p, 0.0)
+    return out / out.sum(axis=-1, keepdims=True)
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a probability vector [V] (inverse CDF, so one uniform per draw)."""
+    c = np.cumsum(p)
+    u = rng.random() * c[-1]
+    return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """norm(max(0, p - q)); falls back to p where p <= q everywhere (only possible when p == q)."""
+    r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else p

@@ -1,0 +1,67 @@
+"""Counters and timings that every generation returns (ALGORITHMS.md, "Metrics")."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    """Statistics of one generation.
+
+    target_forwards counts the decoding rounds (one target forward each); the prompt's prefill is
+    counted apart (prefill_s), so tokens_per_target_forward is new tokens per verification forward.
+    """
+
+    algorithm: str = "ar"
+    lookahead: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    time_target_s: float = 0.0
+    time_drafter_s: float = 0.0
+    wall_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def time_other_s(self) -> float:
+        return max(0.0, self.wall_s - self.prefill_s - self.time_target_s - self.time_drafter_s)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("acceptance_rate", "tokens_per_target_forward", "time_other_s", "tokens_per_second"):
+            d[key] = getattr(self, key)
+        return d
+
+    def line(self) -> str:
+        """The compact one-line summary printed after `edge-sd generate`."""
+        parts = [
+            f"{self.algorithm}",
+            f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_second:.1f} tok/s)",
+            f"{self.target_forwards} target fwd ({self.tokens_per_target_forward:.2f} tok/fwd)",
+        ]
+        if self.algorithm != "ar":
+            parts.append(f"k={self.lookahead} accept {self.acceptance_rate:.0%} ({self.accepted}/{self.proposed})")
+            parts.append(f"{self.drafter_forwards} drafter fwd")
+        parts.append(
+            f"time target {self.time_target_s:.2f}s drafter {self.time_drafter_s:.2f}s "
+            f"other {self.time_other_s:.2f}s prefill {self.prefill_s:.2f}s"
+        )
+        parts.append(f"stop: {self.stop_reason}")
+        return " | ".join(parts)

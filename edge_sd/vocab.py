@@ -1,0 +1,261 @@
+"""Token bytes for any `tokenizer.json`, and the maps that bridge two vocabularies.
+
+Text is handled as bytes everywhere in the loop (ALGORITHMS.md, "Notation"): a drafter token can end
+in the middle of a UTF-8 character, so nothing here decodes partial bytes to `str` and back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from edge_sd.errors import ArtifactError
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+# How many committed tokens of context a re-tokenization window keeps on its left, so that merges
+# across the window's left edge come out as they would in the full text.
+WINDOW_TOKENS = 6
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's byte-to-unicode table, inverted: printable bytes map to themselves, the rest to 256+.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+def _has_type(node: object, name: str) -> bool:
+    """Whether a tokenizer.json component (possibly a Sequence) contains a part of type `name`."""
+    if isinstance(node, dict):
+        if node.get("type") == name:
+            return True
+        return any(_has_type(v, name) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_type(v, name) for v in node)
+    return False
+
+
+def _utf8_complete_end(data: bytes) -> int:
+    """Length of the longest prefix of `data` that does not end inside a UTF-8 character."""
+    n = len(data)
+    i = n - 1
+    # Walk back over at most 3 continuation bytes to the lead byte of the last character.
+    while i >= 0 and n - i <= 4 and (data[i] & 0xC0) == 0x80:
+        i -= 1
+    if i < 0:
+        return 0 if n else 0
+    lead = data[i]
+    need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+    return n if n - i >= need else i
+
+
+def utf8_complete(data: bytes) -> bytes:
+    """`data` cut after its last complete UTF-8 character."""
+    return data[: _utf8_complete_end(data)]
+
+
+class Vocab:
+    """A tokenizer plus the byte string of every id (None for special tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer, tokenizer_json: dict, eos_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.style = _style(tokenizer_json)
+        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {
+            t["id"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")
+        }
+        self.eos_ids = list(eos_ids or [])
+        model = tokenizer_json.get("model", {})
+        byte_fallback = bool(model.get("byte_fallback"))
+        added = {t["id"]: t for t in tokenizer_json.get("added_tokens", [])}
+        self.token_bytes: list[bytes | None] = []
+        self.byte_fallback_ids: set[int] = set()
+        for i in range(self.size):
+            if i in self.special_ids or i in self.eos_ids:
+                self.token_bytes.append(None)
+                continue
+            piece = tokenizer.id_to_token(i)
+            if piece is None:
+                self.token_bytes.append(None)
+            elif i in added and not added[i].get("special") and piece not in model.get("vocab", {}):
+                # Added (non-special) tokens are stored as plain text, not in the model's alphabet.
+                self.token_bytes.append(piece.encode("utf-8") or None)
+            else:
+                self.token_bytes.append(_piece_bytes(piece, self.style, byte_fallback))
+                if byte_fallback and _BYTE_FALLBACK.match(piece):
+                    self.byte_fallback_ids.add(i)
+        self.single_byte: dict[int, int] = {}
+        for i, b in enumerate(self.token_bytes):
+            if b is not None and len(b) == 1 and (b[0] not in self.single_byte or i in self.byte_fallback_ids):
+                self.single_byte[b[0]] = i
+        # One space-prefix probe for the encoders that add a leading "▁" to every text (Llama-2).
+        probe = tokenizer.encode("a", add_special_tokens=False).ids
+        self.adds_prefix_space = self.ids_bytes(probe) == b" a"
+
+    @classmethod
+    def from_file(cls, path: Path, eos_ids: list[int] | None = None) -> Vocab:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = json.loads(text)
+            tok = Tokenizer.from_str(text)
+        except FileNotFoundError:
+            raise ArtifactError(f"tokenizer file {path} not found") from None
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
+        return cls(tok, data, eos_ids)
+
+    def ids_bytes(self, ids: list[int] | np.ndarray) -> bytes:
+        """Concatenated bytes of token ids; special tokens contribute nothing."""
+        tb = self.token_bytes
+        return b"".join(tb[i] or b"" for i in ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids for plain text, no special tokens added (the caller adds BOS from the manifest)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_bytes(self, data: bytes) -> list[int] | None:
+        """Ids whose bytes are exactly `data` (a continuation, so no added prefix space), or None.
+
+        `data` must not end inside a UTF-8 character. Invalid UTF-8 inside it (models can emit stray
+        bytes) is spelled with single-byte tokens where the vocabulary has them. Tokenizers that
+        prefix every text with a space are handled by encoding after a newline and dropping the
+        tokens that cover it.
+        """
+        if not data:
+            return []
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            left = self.encode_bytes(data[: e.start])
+            mid = [self.single_byte.get(b, -1) for b in data[e.start : e.end]]
+            right = self.encode_bytes(data[e.end :])
+            if left is None or right is None or -1 in mid:
+                return None
+            return left + mid + right
+        ids = self.encode_text(text)
+        got = self.ids_bytes(ids)
+        if got == data:
+            return ids
+        if got == b" " + data and ids and self.token_bytes[ids[0]] == b" ":
+            return ids[1:]
+        ids = self.encode_text("\n" + text)
+        cut = _boundary(self, ids, len(self.ids_bytes(ids)) - len(data))
+        if cut is not None and self.ids_bytes(ids[cut:]) == data:
+            return ids[cut:]
+        return None
+
+
+def _boundary(vocab: Vocab, ids: list[int], offset: int) -> int | None:
+    """Index of the first token that starts exactly at byte `offset`, or None."""
+    pos = 0
+    for j, t in enumerate(ids):
+        if pos == offset:
+            return j
+        pos += len(vocab.token_bytes[t] or b"")
+    return None
+
+
+def _style(tj: dict) -> str:
+    if _has_type(tj.get("pre_tokenizer"), "ByteLevel") or _has_type(tj.get("decoder"), "ByteLevel"):
+        return "byte_level"
+    if tj.get("model", {}).get("type") == "WordPiece":
+        return "wordpiece"
+    return "sentencepiece"
+
+
+def _piece_bytes(piece: str, style: str, byte_fallback: bool) -> bytes | None:
+    if style == "byte_level":
+        try:
+            return bytes(BYTE_DECODER[c] for c in piece)
+        except KeyError:
+            return piece.encode("utf-8")  # not in the byte alphabet: stored as text
+    if style == "wordpiece":
+        # WordPiece's decoder puts spaces between words; a "##" piece continues the word.
+        return piece[2:].encode() if piece.startswith("##") else (" " + piece).encode()
+    m = _BYTE_FALLBACK.match(piece)
+    if m and byte_fallback:
+        return bytes([int(m.group(1), 16)])
+    return piece.replace(SPM_SPACE, " ").encode("utf-8")
+
+
+def same_vocabulary(a: Vocab, b: Vocab) -> bool:
+    """Whether two tokenizers are the same vocabulary: same byte string for every id.
+
+    Logits widths are not compared: models often pad their embedding matrix (151936 vs 152064).
+    """
+    return a.size == b.size and a.token_bytes == b.token_bytes and a.special_ids == b.special_ids
+
+
+@dataclass
+class VocabMaps:
+    """Precomputed maps between a drafter vocabulary D and a target vocabulary T.
+
+    intersection: int64 [|D|], the target id with the same bytes as each drafter id, or -1 (TLI).
+    prefix: int64 [|D|], the longest target token whose bytes are a prefix of the drafter token's
+        bytes, or -1 when none is (SLRS's g).
+    """
+
+    intersection: np.ndarray
+    prefix: np.ndarray
+
+    def save(self, path: Path) -> None:
+        np.savez_compressed(path, intersection=self.intersection, prefix=self.prefix)
+
+    @classmethod
+    def load(cls, path: Path) -> VocabMaps:
+        with np.load(path) as z:
+            return cls(z["intersection"].astype(np.int64), z["prefix"].astype(np.int64))
+
+
+def build_maps(drafter: Vocab, target: Vocab) -> VocabMaps:
+    """Build the TLI intersection and the SLRS prefix map, EOS mapped to EOS explicitly."""
+    by_bytes: dict[bytes, int] = {}
+    for t, b in enumerate(target.token_bytes):
+        # Prefer the token the tokenizer itself produces over a byte-fallback twin ("▁" vs <0x20>).
+        if b and (b not in by_bytes or by_bytes[b] in target.byte_fallback_ids):
+            by_bytes[b] = t
+    max_len = max((len(b) for b in by_bytes), default=0)
+    inter = np.full(drafter.size, -1, dtype=np.int64)
+    prefix = np.full(drafter.size, -1, dtype=np.int64)
+    for d, b in enumerate(drafter.token_bytes):
+        if not b:
+            continue
+        t = by_bytes.get(b)
+        if t is not None:
+            inter[d] = t
+        for n in range(min(len(b), max_len), 0, -1):
+            t = by_bytes.get(b[:n])
+            if t is not None:
+                prefix[d] = t
+                break
+    if drafter.eos_ids and target.eos_ids:
+        for d in drafter.eos_ids:
+            inter[d] = target.eos_ids[0]
+            prefix[d] = target.eos_ids[0]
+    return VocabMaps(inter, prefix)
+
+
+def longest_prefix_token(target_by_bytes: dict[bytes, int], data: bytes, max_len: int) -> int:
+    """The longest target token whose bytes are a prefix of `data`, or -1."""
+    for n in range(min(len(data), max_len), 0, -1):
+        t = target_by_bytes.get(data[:n])
+        if t is not None:
+            return t
+    return -1

@@ -1,0 +1,89 @@
+"""Session fixtures: tiny tokenizers and models built locally, exported once per test session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+# name -> (tokenizer kind, architecture, seed)
+MODELS = {
+    "sp_gemma": ("sp", "gemma3", 0),
+    "bl_llama": ("bl", "llama", 1),
+    "bl2_qwen": ("bl2", "qwen2", 2),
+    "sp2_llama": ("sp2", "llama", 3),
+    "bl_llama_b": ("bl", "llama", 4),
+}
+# pair name -> (target, drafter)
+PAIRS = {
+    "gemma_qwen": ("sp_gemma", "bl2_qwen"),  # SentencePiece-style target, byte-level drafter
+    "llama_sp2": ("bl_llama", "sp2_llama"),  # byte-level target, SentencePiece-style drafter
+    "gemma_sp2": ("sp_gemma", "sp2_llama"),  # two SentencePiece styles (one adds a prefix space)
+    "llama_qwen": ("bl_llama", "bl2_qwen"),  # two byte-level vocabularies
+    "llama_same": ("bl_llama", "bl_llama_b"),  # one vocabulary: standard speculative sampling
+    "llama_self": ("bl_llama", "bl_llama"),  # the drafter is the target itself
+}
+CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen")
+
+
+def _tokenizer(kind: str):
+    if kind == "bl":
+        return tiny.train_byte_level(512)
+    if kind == "bl2":
+        return tiny.train_byte_level(384, seed_lines=50)
+    if kind == "sp":
+        return tiny.train_sentencepiece_style(600, prefix_space=False)
+    return tiny.train_sentencepiece_style(450, prefix_space=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HF folders and exported engines of every tiny model, and the pair folders.
+
+    EDGE_SD_TEST_CACHE keeps them between runs (handy locally; CI builds them fresh).
+    """
+    from edge_sd.export.hf import ExportOptions, export_engine
+    from edge_sd.export.pair import write_pair
+    from edge_sd.manifest import load_engine_manifest
+
+    cache = os.environ.get("EDGE_SD_TEST_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    if (root / "done").exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (kind, arch, seed) in MODELS.items():
+        hf = root / "hf" / name
+        if not hf.exists():
+            tiny.build_model(hf, _tokenizer(kind), arch, seed)
+        eng = root / "engines" / name
+        if not eng.exists():
+            tmp = root / "engines" / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            export_engine(str(hf), tmp, ExportOptions(), name=name)
+            tmp.rename(eng)
+    for pair, (t, d) in PAIRS.items():
+        folder = root / "pairs" / pair
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        shutil.copytree(root / "engines" / t, folder / "target")
+        shutil.copytree(root / "engines" / d, folder / "drafter")
+        write_pair(folder, load_engine_manifest(folder / "target"), load_engine_manifest(folder / "drafter"))
+    (root / "done").touch()
+    return root
+
+
+@pytest.fixture(scope="session")
+def pipelines(tiny_root: Path):
+    """Loaded Pipeline of every pair (2 threads: the CI machine's cores)."""
+    from edge_sd import Pipeline
+
+    return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider="cpu", threads=2) for name in PAIRS}

@@ -1,0 +1,128 @@
+"""The command line, including bad input: one line on stderr, a non-zero exit code, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edge_sd.cli import app
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def assert_clean_error(r, *fragments: str) -> None:
+    assert r.exit_code != 0
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    for f in fragments:
+        assert f in r.output, r.output
+
+
+def test_generate_json(tiny_root: Path) -> None:
+    r = run("generate", str(tiny_root / "pairs" / "gemma_qwen"), "-p", "The cat", "-n", "12", "--json",
+            "-a", "tli", "-k", "3")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(obj["token_ids"]) == 12 and obj["text"]
+    for key in ("algorithm", "lookahead", "new_tokens", "target_forwards", "drafter_forwards", "proposed",
+                "accepted", "acceptance_rate", "tokens_per_target_forward", "time_target_s",
+                "time_drafter_s", "time_other_s", "wall_s", "tokens_per_second"):
+        assert key in obj["stats"], key
+    assert obj["stats"]["algorithm"] == "tli" and obj["stats"]["new_tokens"] == 12
+
+
+def test_generate_stdin_and_stream(tiny_root: Path) -> None:
+    r = run("generate", str(tiny_root / "engines" / "bl_llama"), "-n", "10", input="The cat")
+    assert r.exit_code == 0, r.output
+    assert "tok/s" in r.output  # the statistics line
+
+
+def test_generate_chat_and_stop(tiny_root: Path) -> None:
+    r = run("generate", str(tiny_root / "pairs" / "llama_qwen"), "-p", "hi", "--chat", "-n", "30",
+            "--stop", ".", "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "." not in obj["text"]
+
+
+def test_same_seed_same_output(tiny_root: Path) -> None:
+    args = ["generate", str(tiny_root / "engines" / "sp_gemma"), "-p", "The", "-n", "20",
+            "--temperature", "1.0", "--top-p", "0.9", "--json"]
+    a = json.loads(run(*args, "--seed", "7").stdout.strip().splitlines()[-1])
+    b = json.loads(run(*args, "--seed", "7").stdout.strip().splitlines()[-1])
+    c = json.loads(run(*args, "--seed", "8").stdout.strip().splitlines()[-1])
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+
+
+def test_inspect(tiny_root: Path) -> None:
+    r = run("inspect", str(tiny_root / "pairs" / "gemma_qwen"))
+    assert r.exit_code == 0, r.output
+    assert "intersection" in r.output and "gemma3_text" in r.output
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    assert_clean_error(run("generate", str(tmp_path / "nope"), "-p", "x"), "not a folder")
+    assert_clean_error(run("inspect", str(tmp_path / "nope")), "not a folder")
+
+
+@pytest.fixture()
+def engine_copy(tiny_root: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "engine"
+    shutil.copytree(tiny_root / "engines" / "bl_llama", dest)
+    return dest
+
+
+def test_missing_model_file(engine_copy: Path) -> None:
+    (engine_copy / "model.onnx").unlink()
+    assert_clean_error(run("generate", str(engine_copy), "-p", "x"), "model.onnx is missing")
+
+
+def test_corrupted_model_file(engine_copy: Path) -> None:
+    data = (engine_copy / "model.onnx").read_bytes()
+    (engine_copy / "model.onnx").write_bytes(data[: len(data) // 2])
+    assert_clean_error(run("generate", str(engine_copy), "-p", "x"), "corrupted")
+    # Same size, garbage content: caught by --verify (checksums) and by ONNX Runtime itself.
+    (engine_copy / "model.onnx").write_bytes(b"\0" * len(data))
+    assert_clean_error(run("generate", str(engine_copy), "-p", "x", "--verify"), "sha256")
+    assert_clean_error(run("generate", str(engine_copy), "-p", "x"), "could not load")
+
+
+def test_unknown_manifest_version(engine_copy: Path) -> None:
+    m = json.loads((engine_copy / "engine.json").read_text())
+    m["format_version"] = 99
+    (engine_copy / "engine.json").write_text(json.dumps(m))
+    assert_clean_error(run("generate", str(engine_copy), "-p", "x"), "format_version 99")
+
+
+def test_bad_prompts(tiny_root: Path, engine_copy: Path) -> None:
+    assert_clean_error(run("generate", str(engine_copy), "-p", ""), "empty")
+    long = "The cat runs. " * 200
+    assert_clean_error(run("generate", str(engine_copy), "-p", long), "at most 256")
+    assert_clean_error(run("generate", str(engine_copy), "--prompt-file", "/nonexistent"), "cannot read")
+
+
+def test_bad_options(tiny_root: Path) -> None:
+    pair = str(tiny_root / "pairs" / "gemma_qwen")
+    assert_clean_error(run("generate", pair, "-p", "x", "--provider", "gpu9"), "unknown provider")
+    assert_clean_error(run("generate", pair, "-p", "x", "--provider", "tensorrt"), "not available")
+    assert_clean_error(run("generate", pair, "-p", "x", "-a", "magic"), "unknown algorithm")
+    assert_clean_error(run("generate", pair, "-p", "x", "-a", "standard"), "one vocabulary")
+    assert_clean_error(run("generate", pair, "-p", "x", "--top-p", "0"), "top_p")
+    assert_clean_error(run("generate", str(tiny_root / "engines" / "bl_llama"), "-p", "x", "-a", "tli"),
+                       "pair folder")
+
+
+def test_export_bad_inputs(tmp_path: Path) -> None:
+    assert_clean_error(run("export", "-t", str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "o")),
+                       "not found")
+    assert_clean_error(run("export", "-t", "./nowhere/model", "-o", str(tmp_path / "o")), "not found")
+    assert_clean_error(run("export", "-t", "x", "--precision", "fp8", "-o", str(tmp_path / "o")),
+                       "unknown precision")
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,126 @@
+"""Export: validation figures, parity with transformers, atomic folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import MODELS
+
+from edge_sd.engines.ort import OrtEngine
+from edge_sd.manifest import load_engine_manifest
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_validation_figures_within_tolerance(tiny_root: Path, name: str) -> None:
+    m = load_engine_manifest(tiny_root / "engines" / name)
+    v = m.validation
+    assert v["max_rel_diff_vs_torch"] <= v["tolerance_vs_torch"]
+    for key in ("max_rel_diff_cached_step", "max_rel_diff_multi_token", "max_rel_diff_after_truncate"):
+        assert v[key] <= v["tolerance_cache"], key
+    assert v["top1_agreement_vs_torch"] == 1.0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_manifest_describes_the_model(tiny_root: Path, name: str) -> None:
+    m = load_engine_manifest(tiny_root / "engines" / name)
+    cfg = json.loads((tiny_root / "hf" / name / "config.json").read_text())
+    assert m.num_layers == cfg["num_hidden_layers"]
+    assert m.num_kv_heads == cfg["num_key_value_heads"]
+    assert m.logits_width == cfg["vocab_size"]
+    assert m.has_position_ids == (MODELS[name][1] != "gemma3")  # Gemma-3's export has no position_ids
+    assert m.bos_token_id == 2 and m.add_bos and 1 in m.eos_token_ids
+    assert {f.path for f in m.files} >= {"model.onnx", "tokenizer.json"}
+
+
+@pytest.mark.parametrize("name", ["sp_gemma", "bl_llama", "bl2_qwen"])
+def test_greedy_equals_transformers_generate(tiny_root: Path, name: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edge_sd import GenerationConfig, Pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_root / "hf" / name).eval()
+    pipe = Pipeline.from_folder(tiny_root / "engines" / name, provider="cpu", threads=2)
+    for prompt in ["The cat", "def add(a, b):", "café 🙂", "  spaces  "]:
+        ours = pipe.generate(prompt, GenerationConfig(max_new_tokens=24))
+        ids = torch.tensor([ours.prompt_ids])
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0, attention_mask=torch.ones_like(ids))
+        assert ours.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
+
+
+def test_engine_cache_round_trip(tiny_root: Path) -> None:
+    """Cutting the cache back and re-feeding gives the logits of a fresh run (runtime engine)."""
+    eng = OrtEngine(tiny_root / "engines" / "bl_llama", provider="cpu", threads=2)
+    ids = np.arange(3, 23)
+    full = eng.forward(ids)
+    eng.truncate(7)
+    assert eng.n_cached == 7
+    again = eng.forward(ids[7:])
+    np.testing.assert_allclose(again, full[7:], atol=1e-4)
+    eng.reset()
+    assert eng.n_cached == 0
+    np.testing.assert_allclose(eng.forward(ids[:5]), full[:5], atol=1e-4)
+
+
+def test_export_cli_end_to_end_and_force(tiny_root: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edge_sd.cli import app
+
+    out = tmp_path / "pair"
+    args = ["export", "-t", str(tiny_root / "hf" / "bl_llama"), "-d", str(tiny_root / "hf" / "sp2_llama"),
+            "-o", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (out / "pair.json").is_file() and (out / "maps.npz").is_file()
+    assert "intersection" in r.output
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code != 0 and "--force" in r.output
+    stamp = (out / "pair.json").stat().st_mtime_ns
+    r = CliRunner().invoke(app, args + ["--force"])
+    assert r.exit_code == 0, r.output
+    assert (out / "pair.json").stat().st_mtime_ns != stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["pair"]  # no temporary folder left beside it
+
+
+def test_interrupted_export_leaves_nothing(tiny_root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C halfway (after the target engine is written) leaves no folder behind."""
+    import edge_sd.export.pair as pair
+
+    real = pair.export_engine
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pair, "export_engine", interrupted)
+    from edge_sd.export.hf import ExportOptions
+
+    out = tmp_path / "engines" / "x"
+    with pytest.raises(KeyboardInterrupt):
+        pair.export(str(tiny_root / "hf" / "bl_llama"), str(tiny_root / "hf" / "bl2_qwen"), out,
+                    ExportOptions(validate=False))
+    assert len(calls) == 2
+    assert list((tmp_path / "engines").iterdir()) == []
+
+
+def test_failed_export_keeps_existing_folder(tiny_root: Path, tmp_path: Path) -> None:
+    from edge_sd.errors import EdgeSDError
+    from edge_sd.export.hf import ExportOptions
+    from edge_sd.export.pair import export
+
+    out = tmp_path / "keep"
+    out.mkdir()
+    (out / "marker").write_text("old")
+    with pytest.raises(EdgeSDError):
+        export(str(tmp_path / "missing.gguf"), None, out, ExportOptions(), force=True)
+    assert (out / "marker").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["keep"]

@@ -1,0 +1,150 @@
+"""Tiny local models for the tests: small tokenizers trained here, models trained for a few seconds.
+
+Nothing is downloaded. Each model is trained briefly on the same small corpus, so that a target and a
+drafter with different tokenizers predict similar text: acceptance is then real, not zero or one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+CORPUS_SEED = 1234
+
+
+def corpus() -> list[str]:
+    """A deterministic mix of prose, code, unicode and whitespace runs."""
+    rng = random.Random(CORPUS_SEED)
+    subjects = ["The cat", "A small robot", "My friend", "The old river", "Every engineer", "The model"]
+    verbs = ["runs", "reads", "writes", "sees", "builds", "decodes", "draws"]
+    objects = ["a long story", "the fast code", "tokens", "a quiet song", "the map", "42 numbers"]
+    lines = []
+    for _ in range(300):
+        lines.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.")
+    code = [
+        "def add(a, b):\n    return a + b\n",
+        "for i in range(10):\n    print(i)\n",
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+        "if x == 0:\n\treturn None\nelse:\n\treturn x * 2\n",
+    ]
+    unicode = ["café naïve façade", "日本語のテキストです。", "emoji 🙂🚀 fun", "Ελληνικά γράμματα",
+               "Привет мир", "tabs\tand  double  spaces", "   leading and trailing   "]
+    for _ in range(40):
+        lines.append(rng.choice(code))
+        lines.append(rng.choice(unicode))
+    rng.shuffle(lines)
+    return lines
+
+
+SPECIALS = ["<pad>", "<eos>", "<bos>"]
+
+
+def train_byte_level(vocab_size: int, seed_lines: int = 0):
+    """A GPT-2-style byte-level BPE tokenizer (no prefix space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus()
+    tok.train_from_iterator(lines[seed_lines:] + lines[:seed_lines], trainer)
+    return tok
+
+
+def train_sentencepiece_style(vocab_size: int, prefix_space: bool):
+    """A SentencePiece-style BPE: "▁" for spaces, <0xNN> byte fallback (Gemma style, or Llama-2 style
+    with a space prefixed to every text when `prefix_space`)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never"
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, limit_alphabet=60,
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    data = json.loads(tok.to_str())
+    # Insert the 256 byte-fallback tokens right after the specials, as SentencePiece vocabularies do.
+    vocab = data["model"]["vocab"]
+    ordered = sorted(vocab.items(), key=lambda kv: kv[1])
+    new: dict[str, int] = {}
+    for piece, _ in ordered[: len(SPECIALS)]:
+        new[piece] = len(new)
+    for b in range(256):
+        new[f"<0x{b:02X}>"] = len(new)
+    for piece, _ in ordered[len(SPECIALS):]:
+        new.setdefault(piece, len(new))
+    data["model"]["vocab"] = new
+    data["model"]["byte_fallback"] = True
+    for t in data["added_tokens"]:
+        t["id"] = new[t["content"]]
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.normalizer = normalizers.Sequence([])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix_space else []))
+    return tok
+
+
+def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150, add_bos: bool = True) -> Path:
+    """Train a tiny causal LM of architecture `arch` on the corpus and save it as an HF folder."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    model = _make(arch, vocab)
+    ids: list[int] = []
+    for line in corpus():
+        ids += tokenizer.encode(line + "\n", add_special_tokens=False).ids
+    data = torch.tensor(ids)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    seq = 48
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (8,), generator=gen)
+        batch = torch.stack([data[s : s + seq] for s in starts])
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.config.bos_token_id = 2
+    model.config.eos_token_id = 1
+    model.config.pad_token_id = 0
+    model.save_pretrained(folder)
+    from tokenizers import processors
+
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _make(arch: str, vocab: int):
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common))
+    if arch == "gemma3":
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention"], **common))
+    raise ValueError(arch)
