@@ -101,14 +101,18 @@ class Decoder:
             if stop_at is not None:
                 new = new[:stop_at]
                 stats.stop_reason = "eos"
-            committed += new
-            out_ids += new
+            before = len(generated)
             generated += self.vocab.ids_bytes(new)
             if limits.stop and not stats.stop_reason:
-                cut = _find_stop(generated, limits.stop, printed)
-                if cut is not None:
-                    generated = generated[:cut]
+                found = _find_stop(generated, limits.stop, printed)
+                if found is not None:
+                    # Keep the tokens up to the one that completes the stop string, as plain decoding
+                    # would have stopped there; the text ends where the stop string starts.
+                    new = new[: _tokens_covering(self.vocab, new, found[1] - before)]
+                    generated = generated[: found[0]]
                     stats.stop_reason = "stop"
+            committed += new
+            out_ids += new
             done = bool(stats.stop_reason)
             upto = len(generated) if done else max(printed, len(generated) - hold)
             upto = printed + _utf8_complete_end(generated[printed:upto]) if not done else upto
@@ -141,11 +145,21 @@ def _fit(q: np.ndarray, width: int) -> np.ndarray:
     return np.pad(q, ((0, 0), (0, width - q.shape[1])))
 
 
-def _find_stop(text: bytes, stops: tuple[bytes, ...], since: int) -> int | None:
-    """Byte offset where the earliest stop string starts, searching only text not yet printed."""
+def _find_stop(text: bytes, stops: tuple[bytes, ...], since: int) -> tuple[int, int] | None:
+    """(start, end) of the stop string that is completed first, searching only text not yet printed."""
     best = None
     for s in stops:
         i = text.find(s, max(0, since - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i + len(s) < best[1]):
+            best = (i, i + len(s))
     return best
+
+
+def _tokens_covering(vocab: Vocab, ids: list[int], n_bytes: int) -> int:
+    """How many of `ids` it takes for their bytes to reach n_bytes."""
+    total = 0
+    for i, t in enumerate(ids):
+        total += len(vocab.token_bytes[t] or b"")
+        if total >= n_bytes:
+            return i + 1
+    return len(ids)

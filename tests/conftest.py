@@ -13,13 +13,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 
-# name -> (tokenizer kind, architecture, seed)
+# name -> (tokenizer kind, architecture, seed, training steps)
 MODELS = {
-    "sp_gemma": ("sp", "gemma3", 0),
-    "bl_llama": ("bl", "llama", 1),
-    "bl2_qwen": ("bl2", "qwen2", 2),
-    "sp2_llama": ("sp2", "llama", 3),
-    "bl_llama_b": ("bl", "llama", 4),
+    "sp_gemma": ("sp", "gemma3", 0, 150),
+    "bl_llama": ("bl", "llama", 1, 150),
+    "bl2_qwen": ("bl2", "qwen2", 2, 150),
+    "sp2_llama": ("sp2", "llama", 3, 150),
+    "bl_llama_b": ("bl", "llama", 4, 60),
+    "bl2_random": ("bl2", "qwen2", 5, 0),  # untrained: a drafter that knows nothing
 }
 # pair name -> (target, drafter)
 PAIRS = {
@@ -29,6 +30,7 @@ PAIRS = {
     "llama_qwen": ("bl_llama", "bl2_qwen"),  # two byte-level vocabularies
     "llama_same": ("bl_llama", "bl_llama_b"),  # one vocabulary: standard speculative sampling
     "llama_self": ("bl_llama", "bl_llama"),  # the drafter is the target itself
+    "llama_random": ("bl_llama", "bl2_random"),  # an untrained drafter
 }
 CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen")
 
@@ -58,10 +60,10 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (root / "done").exists():
         return root
     root.mkdir(parents=True, exist_ok=True)
-    for name, (kind, arch, seed) in MODELS.items():
+    for name, (kind, arch, seed, steps) in MODELS.items():
         hf = root / "hf" / name
         if not hf.exists():
-            tiny.build_model(hf, _tokenizer(kind), arch, seed)
+            tiny.build_model(hf, _tokenizer(kind), arch, seed, steps)
         eng = root / "engines" / name
         if not eng.exists():
             tmp = root / "engines" / f".{name}.tmp"

@@ -133,8 +133,14 @@ def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150,
 
 
 def _make(arch: str, vocab: int):
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,

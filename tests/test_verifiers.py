@@ -1,0 +1,163 @@
+"""Each verifier on synthetic distributions: the emitted token is distributed as the target's p.
+
+Bound: for N draws over K categories, P(TV(empirical, p) > eps) <= 2^K exp(-2 N eps^2) (Weissman et
+al. 2003, with L1 = 2 TV), so eps = sqrt((K ln 2 + ln(1/delta)) / (2N)) fails a correct verifier with
+probability at most delta. Each test also shows that a wrong rule fails the same bound.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from edge_sd.algorithms import verify_exact, verify_greedy, verify_standard
+from edge_sd.sampling import SamplingConfig, residual, sample, warp
+from edge_sd.vocab import build_maps
+
+N = 20000
+DELTA = 1e-4
+V = 6
+
+
+def tv_bound(k: int, n: int = N, delta: float = DELTA) -> float:
+    return math.sqrt((k * math.log(2) + math.log(1 / delta)) / (2 * n))
+
+
+def tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+def dists(seed: int, rows: int, v: int = V, alpha: float = 0.7) -> np.ndarray:
+    return np.random.default_rng(seed).dirichlet(np.full(v, alpha), size=rows)
+
+
+def first_tokens(run) -> np.ndarray:
+    counts = np.zeros(V)
+    rng = np.random.default_rng(42)
+    for _ in range(N):
+        counts[run(rng)] += 1
+    return counts
+
+
+def test_standard_rule_emits_p() -> None:
+    p, q = dists(1, 3), dists(2, 2)
+
+    def run(rng):
+        cands = [sample(q[0], rng), sample(q[1], rng)]
+        a, nxt = verify_standard(cands, q, p, rng)
+        return cands[0] if a >= 1 else nxt
+
+    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+
+    def always_accept(rng):  # the test's power: proposing without verifying gives q, not p
+        return sample(q[0], rng)
+
+    assert tv(first_tokens(always_accept), p[0]) > tv_bound(V)
+
+
+def test_standard_rule_bonus_token_when_all_accepted() -> None:
+    p = dists(3, 3)
+    q = p[:2].copy()  # a perfect drafter: everything is accepted, the bonus comes from p_3
+
+    def run(rng):
+        cands = [sample(q[0], rng), sample(q[1], rng)]
+        a, nxt = verify_standard(cands, q, p, rng)
+        assert a == 2
+        return nxt
+
+    assert tv(first_tokens(run), p[2]) < tv_bound(V)
+
+
+def test_exact_match_rule_emits_p() -> None:
+    p = dists(4, 2)
+
+    def run(rng):
+        a, nxt = verify_exact([2], p, rng)  # any candidate: the target's own draw decides
+        return 2 if a == 1 else nxt
+
+    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+
+    def trust_candidate(rng):
+        return 2
+
+    assert tv(first_tokens(trust_candidate), p[0]) > tv_bound(V)
+
+
+def test_tli_restricted_proposal_emits_p() -> None:
+    """q' = the drafter's q restricted to the intersection and renormalised, scattered into target ids;
+    two drafter ids mapping to one target id add up."""
+    q_d = dists(5, 1, v=8)[0]
+    token_map = np.array([0, 1, 1, 2, -1, 3, 4, -1])  # drafter id -> target id (or not shared)
+    p = dists(6, 2)
+    q_restricted = q_d * (token_map >= 0)
+    q_restricted /= q_restricted.sum()
+    row = np.zeros(V)
+    np.add.at(row, token_map[token_map >= 0], q_restricted[token_map >= 0])
+
+    def run(rng):
+        d = sample(q_restricted, rng)
+        c = int(token_map[d])
+        a, nxt = verify_standard([c], row[None], p, rng)
+        return c if a == 1 else nxt
+
+    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+
+
+def test_slrs_prefix_proposal_emits_p() -> None:
+    """psi(t) = sum of q(d) over drafter tokens whose longest target prefix is t; "none" never accepted."""
+    target_bytes = [b"a", b"ab", b"b", b"c", b"abc", None]  # id 5: a special token
+    drafter_bytes = [b"abd", b"a", b"bc", b"cab", b"abcd", b"x", b"ca"]
+    tv_ = SimpleNamespace(token_bytes=target_bytes, eos_ids=[], byte_fallback_ids=set())
+    dv = SimpleNamespace(token_bytes=drafter_bytes, eos_ids=[], size=len(drafter_bytes))
+    prefix = build_maps(dv, tv_).prefix
+    assert prefix.tolist() == [1, 0, 2, 3, 4, -1, 3]
+    q_d = dists(7, 1, v=len(drafter_bytes))[0]
+    psi = np.zeros(V)
+    ok = prefix >= 0
+    np.add.at(psi, prefix[ok], q_d[ok])
+    p = dists(8, 2)
+
+    def run(rng):
+        d = sample(q_d, rng)
+        t = int(prefix[d])
+        a, nxt = verify_standard([t], psi[None], p, rng)
+        return t if a == 1 else nxt
+
+    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+
+    # A leftover proposal is a point mass: accepted with probability p(t), else a draw of p without t.
+    point = np.zeros((1, V))
+    point[0, 3] = 1.0
+
+    def leftover(rng):
+        a, nxt = verify_standard([3], point, p, rng)
+        return 3 if a == 1 else nxt
+
+    assert tv(first_tokens(leftover), p[0]) < tv_bound(V)
+
+
+def test_greedy_rule_agrees_with_general_rule_on_one_hot() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        logits = rng.normal(size=(4, V))
+        cands = [int(x) for x in rng.integers(0, V, size=3)]
+        if trial % 3 == 0:
+            cands = [int(x) for x in np.argmax(logits[:3], axis=-1)]  # fully accepted drafts too
+        p = warp(logits, SamplingConfig(0.0))
+        q = np.zeros((3, V))
+        q[np.arange(3), cands] = 1.0
+        assert verify_greedy(cands, logits) == verify_standard(cands, q, p, rng)
+        assert verify_greedy(cands, logits) == verify_exact(cands, p, rng)
+
+
+def test_warp_top_k_top_p_and_residual() -> None:
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    p = warp(logits, SamplingConfig(1.0, top_k=3))
+    np.testing.assert_allclose(p, [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0])
+    p = warp(logits, SamplingConfig(1.0, top_p=0.7))
+    np.testing.assert_allclose(p, [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0])
+    g = warp(np.array([1.0, 3.0, 3.0]), SamplingConfig(0.0))
+    assert g.tolist() == [0.0, 1.0, 0.0]  # ties go to the lowest id
+    np.testing.assert_allclose(residual(np.array([0.5, 0.5]), np.array([0.8, 0.2])), [0.0, 1.0])
