@@ -9,8 +9,8 @@ from edge_sd.errors import ExportError
 
 # MatMulNBits settings measured on the 2-core CPU machines (see REAL_MODELS.md): block 32, symmetric,
 # accuracy level 4 (int8 activations) is the fast one; level 0 is slower than fp32 there.
-INT4_BLOCK = 32
-INT4_ACCURACY_LEVEL = 4
+QUANT_BLOCK = 32
+QUANT_ACCURACY_LEVEL = 4
 
 
 def quantize(folder: Path, precision: str) -> None:
@@ -20,17 +20,15 @@ def quantize(folder: Path, precision: str) -> None:
     out_dir.mkdir()
     out = out_dir / "model.onnx"
     try:
-        if precision == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            quantize_dynamic(src, out, weight_type=QuantType.QInt8, use_external_data_format=True,
-                             op_types_to_quantize=["MatMul"])
-        elif precision == "int4":
+        if precision in ("int8", "int4"):
             import onnx
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-            q = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=INT4_BLOCK, is_symmetric=True,
-                                     accuracy_level=INT4_ACCURACY_LEVEL)
+            # Weight-only (MatMulNBits): activations are quantized per row and block, never over the
+            # whole batch, so a k-token verification forward computes what k single steps compute.
+            # Dynamic int8 quantization scales activations per tensor and breaks exactly that.
+            q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=int(precision[3:]), block_size=QUANT_BLOCK,
+                                     is_symmetric=True, accuracy_level=QUANT_ACCURACY_LEVEL)
             q.process()
             onnx.save_model(q.model.model, str(out), save_as_external_data=True,
                             location="model.onnx_data")
