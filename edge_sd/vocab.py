@@ -6,6 +6,7 @@ in the middle of a UTF-8 character, so nothing here decodes partial bytes to `st
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -107,6 +108,20 @@ class Vocab:
         # One space-prefix probe for the encoders that add a leading "▁" to every text (Llama-2).
         probe = tokenizer.encode("a", add_special_tokens=False).ids
         self.adds_prefix_space = self.ids_bytes(probe) == b" a"
+
+    @functools.cached_property
+    def by_bytes(self) -> dict[bytes, int]:
+        """Byte string -> id, preferring the token the tokenizer itself produces over a byte-fallback
+        twin ("▁" over <0x20>)."""
+        table: dict[bytes, int] = {}
+        for t, b in enumerate(self.token_bytes):
+            if b and (b not in table or table[b] in self.byte_fallback_ids):
+                table[b] = t
+        return table
+
+    @functools.cached_property
+    def max_token_len(self) -> int:
+        return max((len(b) for b in self.by_bytes), default=0)
 
     @classmethod
     def from_file(cls, path: Path, eos_ids: list[int] | None = None) -> Vocab:
@@ -226,12 +241,8 @@ class VocabMaps:
 
 def build_maps(drafter: Vocab, target: Vocab) -> VocabMaps:
     """Build the TLI intersection and the SLRS prefix map, EOS mapped to EOS explicitly."""
-    by_bytes: dict[bytes, int] = {}
-    for t, b in enumerate(target.token_bytes):
-        # Prefer the token the tokenizer itself produces over a byte-fallback twin ("▁" vs <0x20>).
-        if b and (b not in by_bytes or by_bytes[b] in target.byte_fallback_ids):
-            by_bytes[b] = t
-    max_len = max((len(b) for b in by_bytes), default=0)
+    by_bytes = target.by_bytes
+    max_len = target.max_token_len
     inter = np.full(drafter.size, -1, dtype=np.int64)
     prefix = np.full(drafter.size, -1, dtype=np.int64)
     for d, b in enumerate(drafter.token_bytes):

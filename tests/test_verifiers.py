@@ -109,7 +109,8 @@ def test_slrs_prefix_proposal_emits_p() -> None:
     """psi(t) = sum of q(d) over drafter tokens whose longest target prefix is t; "none" never accepted."""
     target_bytes = [b"a", b"ab", b"b", b"c", b"abc", None]  # id 5: a special token
     drafter_bytes = [b"abd", b"a", b"bc", b"cab", b"abcd", b"x", b"ca"]
-    tv_ = SimpleNamespace(token_bytes=target_bytes, eos_ids=[], byte_fallback_ids=set())
+    by_bytes = {b: t for t, b in enumerate(target_bytes) if b}
+    tv_ = SimpleNamespace(token_bytes=target_bytes, eos_ids=[], by_bytes=by_bytes, max_token_len=3)
     dv = SimpleNamespace(token_bytes=drafter_bytes, eos_ids=[], size=len(drafter_bytes))
     prefix = build_maps(dv, tv_).prefix
     assert prefix.tolist() == [1, 0, 2, 3, 4, -1, 3]

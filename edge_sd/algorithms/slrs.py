@@ -28,8 +28,8 @@ class SLRSProposer:
         self.rng = rng
         self.eos = set(target_vocab.eos_ids)
         self.tb = target_vocab.token_bytes
-        self.by_bytes = {b: t for t, b in enumerate(self.tb) if b}
-        self.max_len = max((len(b) for b in self.by_bytes), default=0)
+        self.by_bytes = target_vocab.by_bytes
+        self.max_len = target_vocab.max_token_len
 
     def propose(self, k: int, committed: list[int]) -> Draft:
         room = self.drafter.room()
