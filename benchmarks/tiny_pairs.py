@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
+from edge_sd import GenerationConfig, Pipeline  # noqa: E402
+
 from conftest import CROSS_PAIRS  # noqa: E402
 from test_lossless import NEW_TOKENS, PROMPTS  # noqa: E402
-
-from edge_sd import GenerationConfig, Pipeline  # noqa: E402
 
 
 def main(root: Path) -> None:

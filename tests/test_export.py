@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MODELS
 
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.manifest import load_engine_manifest
+
+from conftest import MODELS
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CROSS_PAIRS
 
 from edge_sd import GenerationConfig, Pipeline
 from edge_sd.sampling import SamplingConfig, warp
+
+from conftest import CROSS_PAIRS
 
 PROMPTS = [
     "The cat", "A small robot reads", "Every engineer ", "The old river sees the", "My friend builds",
