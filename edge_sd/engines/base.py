@@ -1,0 +1,26 @@
+"""The Engine protocol: a decoder with a KV cache that can be appended to and cut back."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from edge_sd.manifest import EngineManifest
+
+
+class Engine(Protocol):
+    manifest: EngineManifest
+    n_cached: int  # positions held in the KV cache
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        """Feed ids [s] after the cached positions; returns logits [s, V] and caches s positions."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Roll the KV cache back to its first n positions."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        ...
