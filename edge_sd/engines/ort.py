@@ -123,7 +123,7 @@ class OrtEngine:
         io.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
         if m.has_position_ids:
             io.bind_cpu_input("position_ids", np.arange(self.n_cached, total, dtype=np.int64)[None])
-        for (k_name, v_name), (k, v) in zip(self._past_names, self._cache):
+        for (k_name, v_name), (k, v) in zip(self._past_names, self._cache, strict=True):
             io.bind_ortvalue_input(k_name, k)
             io.bind_ortvalue_input(v_name, v)
         io.bind_output("logits", "cpu")
