@@ -129,7 +129,6 @@ class Decoder:
         stats.drafter_forwards = getattr(getattr(self.proposer, "drafter", None), "forwards", 0)
         stats.wall_s = time.perf_counter() - t0
         self.out_ids = out_ids
-        self.generated = generated
 
     def _drafter_time(self) -> float:
         drafter = getattr(self.proposer, "drafter", None)
