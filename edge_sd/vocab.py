@@ -60,7 +60,7 @@ def _utf8_complete_end(data: bytes) -> int:
     while i >= 0 and n - i <= 4 and (data[i] & 0xC0) == 0x80:
         i -= 1
     if i < 0:
-        return 0 if n else 0
+        return 0
     lead = data[i]
     need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
     return n if n - i >= need else i
@@ -248,14 +248,8 @@ def build_maps(drafter: Vocab, target: Vocab) -> VocabMaps:
     for d, b in enumerate(drafter.token_bytes):
         if not b:
             continue
-        t = by_bytes.get(b)
-        if t is not None:
-            inter[d] = t
-        for n in range(min(len(b), max_len), 0, -1):
-            t = by_bytes.get(b[:n])
-            if t is not None:
-                prefix[d] = t
-                break
+        inter[d] = by_bytes.get(b, -1)
+        prefix[d] = longest_prefix_token(by_bytes, b, max_len)
     if drafter.eos_ids and target.eos_ids:
         for d in drafter.eos_ids:
             inter[d] = target.eos_ids[0]
