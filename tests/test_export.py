@@ -151,3 +151,25 @@ def test_unimplemented_precision_is_a_clear_error(tiny_root: Path, tmp_path: Pat
 
     with pytest.raises(UsageError, match="fp16 is not implemented"):
         export_engine(str(tiny_root / "hf" / "bl_llama"), tmp_path, ExportOptions(precision="fp16"))
+
+
+def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
+    """--drafter-precision: the drafter takes the fast kernels (not batch-consistent, which a drafter
+    need not be), the target stays fp32, and speculative output still equals plain decoding."""
+    from edge_sd import GenerationConfig, Pipeline
+    from edge_sd.export.hf import ExportOptions
+    from edge_sd.export.pair import export
+
+    out = tmp_path / "pair"
+    export(str(tiny_root / "hf" / "bl_llama"), str(tiny_root / "hf" / "bl2_qwen"), out, ExportOptions(),
+           drafter_opts=ExportOptions(precision="int8"))
+    target, drafter = load_engine_manifest(out / "target"), load_engine_manifest(out / "drafter")
+    assert (target.precision, drafter.precision) == ("fp32", "int8")
+    assert target.validation["cache_checks_required"] and not drafter.validation["cache_checks_required"]
+    assert target.validation["max_rel_diff_multi_token"] <= target.validation["tolerance_cache"]
+    pipe = Pipeline.from_folder(out, provider="cpu", threads=2)
+    for prompt in ("The cat", "def add(a, b):", "café naïve"):
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm="ar")).token_ids
+        for algo in ("slem", "tli", "slrs"):
+            spec = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm=algo, lookahead=3))
+            assert spec.token_ids == plain, (algo, prompt)

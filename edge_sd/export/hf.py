@@ -41,6 +41,9 @@ class ExportOptions:
     max_context: int | None = None
     validate: bool = True
     opset: int | None = None
+    # A drafter needs no batch consistency (whatever its forward gives is what it proposes, and the
+    # verifier uses exactly that), so a quantized drafter takes the faster int8-activation kernels.
+    drafter: bool = False
 
 
 def _null_step(name: str) -> Any:
@@ -208,12 +211,12 @@ def export_engine(
             from edge_sd.export.quantize import quantize
 
             with step(f"quantize to {opts.precision}"):
-                quantize(dest, opts.precision)
+                quantize(dest, opts.precision, batch_consistent=not opts.drafter)
         manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer)
         save(manifest, dest)
         if opts.validate:
             with step("validate against torch (subprocess)"):
-                figures = run_validation(dest, hf_src, opts.precision)
+                figures = run_validation(dest, hf_src, opts.precision, opts.drafter)
             manifest = EngineManifest(**{**manifest.__dict__, "validation": figures})
             save(manifest, dest)
         return manifest
@@ -288,10 +291,11 @@ def _manifest(
     )
 
 
-def run_validation(engine_dir: Path, hf_src: str, precision: str) -> dict:
+def run_validation(engine_dir: Path, hf_src: str, precision: str, drafter: bool = False) -> dict:
     """Run export/validate.py in a subprocess (torch and ORT in one process can fight over threads
     and memory; a crash there must not take the export's clean-up with it)."""
     cmd = [sys.executable, "-m", "edge_sd.export.validate", str(engine_dir), hf_src, "--precision", precision]
+    cmd += ["--drafter"] if drafter else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

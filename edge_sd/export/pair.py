@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from edge_sd.export.atomic import atomic_folder
@@ -26,8 +27,12 @@ def export(
     drafter_tokenizer: str | None = None,
     force: bool = False,
     step: Step = _null_step,
+    drafter_opts: ExportOptions | None = None,
 ) -> dict:
-    """Export into `out`; returns what the CLI summarises. Nothing is left behind on failure."""
+    """Export into `out`; returns what the CLI summarises. Nothing is left behind on failure.
+
+    `drafter_opts` (default: `opts`) lets the drafter take another precision than the target.
+    """
     summary: dict = {"out": str(out), "engines": {}}
     with atomic_folder(out, force=force) as tmp:
         if drafter is None:
@@ -35,9 +40,13 @@ def export(
             summary["engines"]["model"] = _engine_summary(m, tmp)
             return summary
         engines: dict[str, EngineManifest] = {}
-        for role, src, tok in (("target", target, tokenizer), ("drafter", drafter, drafter_tokenizer)):
+        sides = (
+            ("target", target, tokenizer, opts),
+            ("drafter", drafter, drafter_tokenizer, replace(drafter_opts or opts, drafter=True)),
+        )
+        for role, src, tok, role_opts in sides:
             (tmp / role).mkdir()
-            engines[role] = export_engine(src, tmp / role, opts, tok, step, name=source_name(src))
+            engines[role] = export_engine(src, tmp / role, role_opts, tok, step, name=source_name(src))
             summary["engines"][role] = _engine_summary(engines[role], tmp / role)
         with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
             stats = write_pair(tmp, engines["target"], engines["drafter"])

@@ -1,0 +1,1 @@
+"""The benchmark harness behind `edge-sd bench` and `benchmarks/real_pair.py`."""

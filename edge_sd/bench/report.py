@@ -1,0 +1,172 @@
+"""Summaries of a benchmark run: one row per configuration, a markdown table, PNG plots, README section."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+README_START = "<!-- real-pair-bench:start -->"
+README_END = "<!-- real-pair-bench:end -->"
+SPEEDUP_PNG = "real_pair_speedup.png"
+SPLIT_PNG = "real_pair_time_split.png"
+
+
+def summarise(results: dict) -> list[dict]:
+    """One row per (mode, engine, algorithm, k), in the order the configurations ran."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results["records"]:
+        groups[(r["mode"], r["engine"], r["algorithm"], r["k"])].append(r)
+    plain = {(r["mode"], r["engine"], r["prompt"]): r for r in results["records"] if r["algorithm"] == "ar"}
+    rows = []
+    for (mode, engine, algo, k), recs in groups.items():
+        tokens = sum(r["new_tokens"] for r in recs)
+        wall = sum(r["wall_s"] for r in recs)
+        target = sum(r["target_s"] for r in recs)
+        drafter = sum(r["drafter_s"] for r in recs)
+        ratios, identical = [], 0
+        for r in recs:
+            base = plain[(mode, "edge-sd", r["prompt"])]  # every speedup is over edge-sd's plain decoding
+            if r["new_tokens"] and base["new_tokens"]:
+                ratios.append((r["new_tokens"] / r["wall_s"]) / (base["new_tokens"] / base["wall_s"]))
+            own = plain[(mode, engine, r["prompt"])]
+            identical += r["token_ids"] == own["token_ids"]
+        proposed = sum(r["proposed"] for r in recs)
+        rows.append({
+            "mode": mode, "engine": engine, "algorithm": algo, "k": k, "prompts": len(recs),
+            "new_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "speedup_median": statistics.median(ratios) if ratios else 0.0,
+            "acceptance": sum(r["accepted"] for r in recs) / proposed if proposed else None,
+            "tokens_per_target_forward": tokens / max(1, sum(r["target_forwards"] for r in recs)),
+            "ms_per_token_target": 1000 * target / max(1, tokens),
+            "ms_per_token_drafter": 1000 * drafter / max(1, tokens),
+            "ms_per_token_other": 1000 * max(0.0, wall - target - drafter) / max(1, tokens),
+            "identical_to_plain": identical if mode == "greedy" else None,
+        })
+    return rows
+
+
+def table(rows: list[dict], mode: str) -> str:
+    head = ("| engine | algorithm | k | tok/s | speedup (median) | acceptance | tok / target fwd "
+            "| ms/token: target | drafter | other |" + (" same tokens as plain |" if mode == "greedy" else ""))
+    sep = "|" + "---|" * (head.count("|") - 1)
+    lines = [head, sep]
+    for r in rows:
+        if r["mode"] != mode:
+            continue
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        line = (f"| {r['engine']} | {_algo_name(r['algorithm'])} | {r['k'] or ''} | {r['tokens_per_s']:.1f} "
+                f"| {r['speedup_median']:.2f}x | {acc} | {r['tokens_per_target_forward']:.2f} "
+                f"| {r['ms_per_token_target']:.1f} | {r['ms_per_token_drafter']:.1f} | {r['ms_per_token_other']:.1f} |")
+        if mode == "greedy":
+            line += f" {r['identical_to_plain']}/{r['prompts']} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _algo_name(a: str) -> str:
+    names = {"ar": "plain", "uag": "assisted (UAG)", "usd": "assisted (USD, as shipped)",
+             "usd-unpruned": "assisted (USD, LM head not pruned)"}
+    return names.get(a, a.upper())
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from edge_sd.errors import UsageError
+
+        raise UsageError("the plots need matplotlib: pip install 'edge-sd[bench]'") from None
+    modes = [m for m in ("greedy", "sample") if any(r["mode"] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        mrows = [r for r in rows if r["mode"] == mode]
+        for algo in ("slem", "tli", "slrs", "uag", "usd", "usd-unpruned"):
+            pts = sorted((r["k"], r["speedup_median"]) for r in mrows if r["algorithm"] == algo)
+            if pts:
+                hf = algo in ("uag", "usd", "usd-unpruned")
+                style = "--s" if hf else "-o"
+                label = ("transformers " if hf else "edge-sd ") + _algo_name(algo)
+                ax.plot(*zip(*pts, strict=True), style, label=label)
+        ax.axhline(1.0, color="grey", lw=1)
+        hf_plain = [r for r in mrows if r["engine"] == "transformers" and r["algorithm"] == "ar"]
+        if hf_plain:
+            ax.axhline(hf_plain[0]["speedup_median"], color="grey", ls=":", lw=1, label="transformers plain")
+        ax.set_title(f"{mode} (T={'0' if mode == 'greedy' else '1'})")
+        ax.set_xlabel("k (drafted tokens per round)")
+        ax.set_ylabel("speedup over edge-sd plain decoding (median)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    speed = out / SPEEDUP_PNG
+    fig.savefig(speed, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        mrows = [r for r in rows if r["mode"] == mode]
+        labels = [("HF " if r["engine"] == "transformers" else "") + _algo_name(r["algorithm"])
+                  + (f" {r['k']}" if r["k"] else "") for r in mrows]
+        bottom = [0.0] * len(mrows)
+        for key, color in (("target", "#4c72b0"), ("drafter", "#dd8452"), ("other", "#8c8c8c")):
+            vals = [r[f"ms_per_token_{key}"] for r in mrows]
+            ax.bar(range(len(mrows)), vals, bottom=bottom, color=color, label=key)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_xticks(range(len(mrows)), labels, rotation=70, fontsize=7)
+        ax.set_ylabel("ms per generated token")
+        ax.set_title(f"where the time goes, {mode}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    split = out / SPLIT_PNG
+    fig.savefig(split, dpi=110)
+    plt.close(fig)
+    return [speed, split]
+
+
+def markdown(results: dict, rows: list[dict], command: str, image_dir: str) -> str:
+    o, m = results["options"], results["machine"]
+    sets = ", ".join(f"{o['per_set']} {s}" for s in o["sets"])
+    parts = [
+        f"Command: `{command}` ({results['date']}).",
+        f"Machine: {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}, Python {m['python']}, "
+        f"{o['threads']} threads for ONNX Runtime and torch.",
+        f"Prompts: {sets} (see \"Prompt sets\"); {o['max_new_tokens']} new tokens each; one run per "
+        "configuration and prompt, all configurations interleaved prompt by prompt. tok/s is total new "
+        "tokens over total wall time (prompt processing included); speedup is the median over prompts of "
+        "tok/s against edge-sd's plain decoding of the same prompt; the time split is per generated token "
+        "(target includes the prompt's prefill).",
+    ]
+    for mode in ("greedy", "sample"):
+        if any(r["mode"] == mode for r in rows):
+            title = "Greedy (temperature 0)" if mode == "greedy" else "Sampling (temperature 1, seeded per prompt)"
+            parts += [f"**{title}**", table(rows, mode)]
+    parts += [f"![speedup against k]({image_dir}/{SPEEDUP_PNG})", f"![time split]({image_dir}/{SPLIT_PNG})"]
+    return "\n\n".join(parts)
+
+
+def write(results: dict, out: Path, command: str, readme: Path | None = None, name: str = "real_pair") -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarise(results)
+    (out / f"{name}.json").write_text(json.dumps({**results, "summary": rows}, indent=1) + "\n")
+    images = plots(rows, out)
+    (out / f"{name}.md").write_text(markdown(results, rows, command, ".") + "\n")
+    if readme is not None:
+        rel = out.resolve().relative_to(readme.resolve().parent)
+        _update_readme(readme, markdown(results, rows, command, rel.as_posix()))
+    return {"rows": rows, "files": [out / f"{name}.json", out / f"{name}.md", *images]}
+
+
+def _update_readme(readme: Path, text: str) -> None:
+    doc = readme.read_text(encoding="utf-8")
+    start, end = doc.find(README_START), doc.find(README_END)
+    if start < 0 or end < start:
+        from edge_sd.errors import UsageError
+
+        raise UsageError(f"{readme} has no {README_START} ... {README_END} section to write the results into")
+    doc = doc[: start + len(README_START)] + "\n" + text + "\n" + doc[end:]
+    readme.write_text(doc, encoding="utf-8")

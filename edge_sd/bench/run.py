@@ -1,0 +1,184 @@
+"""Run every configuration on every prompt, interleaved, and keep one record per run.
+
+Configurations are interleaved per prompt (all of them on prompt 1, then all on prompt 2, ...) so that
+a slow spell of this noisy machine hits every configuration alike; speedups are per-prompt ratios to
+plain decoding of the same prompt, summarised by their median.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from edge_sd.bench import prompts as prompt_sets
+from edge_sd.errors import UsageError
+from edge_sd.pipeline import GenerationConfig, Pipeline
+
+MODES = {"greedy": 0.0, "sample": 1.0}  # temperature of each mode
+EDGE_ALGORITHMS = ("slem", "tli", "slrs")
+# transformers' counterparts: universal assisted generation (greedy, re-tokenizes the text like SLEM)
+# and universal speculative decoding (sampling, over the vocabulary intersection like TLI), as shipped
+# and with its LM-head pruning off (bench/hf.py says why).
+HF_ASSISTED = {"greedy": ("uag",), "sample": ("usd", "usd-unpruned")}
+
+
+@dataclass
+class BenchOptions:
+    pair: Path
+    cache: Path
+    per_set: int = 20
+    sets: tuple[str, ...] = prompt_sets.SETS
+    max_new_tokens: int = 64
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    algorithms: tuple[str, ...] = EDGE_ALGORITHMS
+    modes: tuple[str, ...] = tuple(MODES)
+    seed: int = 0
+    threads: int = 2
+    transformers: bool = True
+    hf_dir: Path | None = None  # holds gemma3-270m/ and smollm2-135m/ (fp32 HF folders)
+    hf_ks: tuple[int, ...] = (3, 5)
+
+    def check(self) -> None:
+        if self.per_set < 1 or self.max_new_tokens < 1:
+            raise UsageError("--per-set and --max-new-tokens must be at least 1")
+        if any(k < 1 for k in self.ks + self.hf_ks):
+            raise UsageError("every k must be at least 1")
+        for a in self.algorithms:
+            if a not in EDGE_ALGORITHMS:
+                raise UsageError(f"unknown algorithm {a!r} for the benchmark; choose from {', '.join(EDGE_ALGORITHMS)}")
+        for m in self.modes:
+            if m not in MODES:
+                raise UsageError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: str  # "edge-sd" or "transformers"
+    mode: str
+    algorithm: str  # ar (plain decoding), slem/tli/slrs, or uag/usd for transformers
+    k: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.algorithm}" + (f" k={self.k}" if self.k else "")
+
+
+@dataclass
+class Record:
+    """One configuration on one prompt."""
+
+    engine: str
+    mode: str
+    algorithm: str
+    k: int
+    prompt: str
+    new_tokens: int
+    wall_s: float
+    prefill_s: float
+    target_s: float
+    drafter_s: float
+    target_forwards: int
+    proposed: int
+    accepted: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+def configs(opts: BenchOptions) -> list[Config]:
+    out = []
+    for mode in opts.modes:
+        out.append(Config("edge-sd", mode, "ar", 0))
+        out += [Config("edge-sd", mode, a, k) for a in opts.algorithms for k in opts.ks]
+        if opts.transformers:
+            out.append(Config("transformers", mode, "ar", 0))
+            out += [Config("transformers", mode, a, k) for a in HF_ASSISTED[mode] for k in opts.hf_ks]
+    return out
+
+
+def machine() -> dict:
+    import os
+
+    import onnxruntime
+
+    return {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "platform": platform.platform(terse=True),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = None) -> dict:
+    """Run the benchmark; returns {"options", "machine", "prompts", "records"}."""
+    opts.check()
+    plist = [p for s in opts.sets for p in prompt_sets.load(s, opts.cache, opts.per_set)]
+    pipe = Pipeline.from_folder(opts.pair, threads=opts.threads)
+    if pipe.drafter is None:
+        raise UsageError(f"{opts.pair} holds a single engine; the benchmark needs a pair folder")
+    # Plain decoding runs on the target folder alone, as `edge-sd generate PAIR/target` does: a lone
+    # engine lets its threads spin between steps, which a pair must not (engines/ort.py).
+    plain = Pipeline.from_folder(pipe.target.engine.folder, threads=opts.threads)
+    hf = None
+    if opts.transformers:
+        from edge_sd.bench.hf import HFPair
+
+        hf = HFPair.load(opts.hf_dir, pipe, opts.threads)
+    todo = configs(opts)
+    # Warm-up: the first runs of a fresh session pay for memory allocation; time none of that.
+    warm = plist[0].text
+    plain.generate(warm, GenerationConfig(max_new_tokens=4, algorithm="ar"))
+    pipe.generate(warm, GenerationConfig(max_new_tokens=4, algorithm=opts.algorithms[0], lookahead=2))
+    if hf is not None:
+        hf.generate(pipe.target.prompt_ids(warm, False), "greedy", "ar", 0, 4, 0)
+    records: list[Record] = []
+    for i, prompt in enumerate(plist):
+        for cfg in todo:
+            seed = opts.seed + i
+            if cfg.engine == "edge-sd":
+                rec = _run_edge(plain if cfg.algorithm == "ar" else pipe, prompt, cfg, opts.max_new_tokens, seed)
+            else:
+                assert hf is not None
+                rec = hf.generate(pipe.target.prompt_ids(prompt.text, False), cfg.mode, cfg.algorithm, cfg.k,
+                                  opts.max_new_tokens, seed)
+                rec.prompt = prompt.id
+            records.append(rec)
+            if on_run:
+                on_run(cfg, rec)
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+    return {
+        "options": options,
+        "machine": machine(),
+        "prompts": [{"set": p.set, "id": p.id} for p in plist],
+        "records": [asdict(r) for r in records],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
+    gen = GenerationConfig(max_new_tokens=max_new, temperature=MODES[cfg.mode], seed=seed,
+                           algorithm=cfg.algorithm, lookahead=cfg.k)
+    # Timed from outside, as transformers' generate() is: tokenizing the prompt and setting up the
+    # drafter count too.
+    t0 = time.perf_counter()
+    res = pipe.generate(prompt.text, gen)
+    wall = time.perf_counter() - t0
+    s = res.stats
+    return Record(
+        engine="edge-sd", mode=cfg.mode, algorithm=cfg.algorithm, k=cfg.k, prompt=prompt.id,
+        new_tokens=s.new_tokens, wall_s=wall, prefill_s=s.prefill_s,
+        target_s=s.time_target_s + s.prefill_s, drafter_s=s.time_drafter_s,
+        target_forwards=s.target_forwards, proposed=s.proposed, accepted=s.accepted, token_ids=res.token_ids,
+    )
