@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -134,7 +134,8 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs."),
-    lookahead: int = typer.Option(5, "--lookahead", "-k", help="Candidates per target forward."),
+    lookahead: Optional[int] = typer.Option(
+        None, "--lookahead", "-k", help="Drafted tokens per target forward [2 greedy, 1 sampling]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
@@ -301,9 +302,14 @@ def bench(
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=err) as progress:
             task = progress.add_task("loading", total=total)
+            done = [0]
 
-            def on_run(cfg: object, rec: object) -> None:
-                progress.update(task, advance=1, description=f"{rec.prompt} {cfg.label} {rec.mode}")  # type: ignore[attr-defined]
+            def on_run(cfg: Any, rec: Any) -> None:
+                done[0] += 1
+                progress.update(task, advance=1, description=f"{rec.prompt} {cfg.label} {rec.mode}")
+                if not err.is_terminal:  # a log file gets one line per run instead of a live bar
+                    err.print(f"[{done[0]}/{total}] {rec.prompt} {cfg.label} {rec.mode}: "
+                              f"{rec.new_tokens} tokens in {rec.wall_s:.2f}s")
 
             results = run(opts, on_run)
         # benchmarks/real_pair.py names itself; otherwise the command line as typed.

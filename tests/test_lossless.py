@@ -265,3 +265,15 @@ def test_empty_drafts_and_prompts_ending_in_space(pipelines) -> None:
     _compare(pipe, ["Every engineer ", "The cat ", "x  "], k=5, max_new_tokens=12)
     r = pipe.generate("The cat", GenerationConfig(algorithm="slem", lookahead=0, max_new_tokens=5))
     assert r.stats.proposed == 0 and r.stats.drafter_forwards == 0
+
+
+def test_auto_algorithm_and_default_lookahead(pipelines) -> None:
+    """auto and the default k, as the real-pair benchmark settled them (README, "Measured")."""
+    cross, same = pipelines["gemma_qwen"], pipelines["llama_same"]
+    greedy = cross.generate("The cat", GenerationConfig(max_new_tokens=8)).stats
+    assert (greedy.algorithm, greedy.lookahead) == ("slem", 2)
+    sampled = cross.generate("The cat", GenerationConfig(max_new_tokens=8, temperature=1.0, seed=0)).stats
+    assert (sampled.algorithm, sampled.lookahead) == ("slrs", 1)
+    assert same.generate("The cat", GenerationConfig(max_new_tokens=8)).stats.algorithm == "standard"
+    explicit = cross.generate("The cat", GenerationConfig(max_new_tokens=8, lookahead=4)).stats
+    assert explicit.lookahead == 4 and explicit.proposed <= 4 * explicit.target_forwards

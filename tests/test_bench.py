@@ -1,0 +1,59 @@
+"""The benchmark harness end to end on the real pair, small: every code path the README's run takes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edge_sd.bench import prompts
+from edge_sd.cli import app
+from edge_sd.errors import UsageError
+
+from test_real_pair import CACHE, HF, PAIR
+
+pytestmark = pytest.mark.real
+
+
+def test_prompt_sets_come_from_the_registries() -> None:
+    code = prompts.load("code", CACHE, 164)
+    news = prompts.load("summarisation", CACHE, 50)
+    assert len(code) == 164 and len(news) == 50
+    assert code[0].id == "HumanEval/0" and code[0].text.startswith("from typing import List")
+    assert news[0].text.startswith("Article: ") and news[0].text.endswith("Summary:")
+    assert all("\ufffd" not in p.text for p in news)  # decoded with the corpus's own encoding
+    with pytest.raises(UsageError, match="has 50 prompts"):
+        prompts.load("summarisation", CACHE, 51)
+
+
+def test_bench_small_run_writes_table_plots_and_readme(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    if not (PAIR / "pair.json").is_file():
+        pytest.fail(f"the real pair is not exported at {PAIR}: run `bash scripts/test.sh` first")
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- real-pair-bench:start -->\nold\n<!-- real-pair-bench:end -->\ntail\n")
+    out = tmp_path / "results"
+    args = ["bench", str(PAIR), "--per-set", "1", "-n", "8", "-k", "2", "--hf-k", "2",
+            "--hf-dir", str(HF), "-o", str(out), "--readme", str(readme)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "real_pair.json").read_text())
+    rows = {(r["mode"], r["engine"], r["algorithm"], r["k"]): r for r in data["summary"]}
+    expected = {("greedy", "edge-sd", a, k) for a, k in (("ar", 0), ("slem", 2), ("tli", 2), ("slrs", 2))}
+    expected |= {("greedy", "transformers", "ar", 0), ("greedy", "transformers", "uag", 2),
+                 ("sample", "transformers", "usd", 2), ("sample", "transformers", "usd-unpruned", 2)}
+    assert expected <= set(rows)
+    for key, row in rows.items():
+        assert row["prompts"] == 2 and row["new_tokens"] > 0, key
+        if key[0] == "greedy" and key[1] == "edge-sd":
+            assert row["identical_to_plain"] == 2, key  # lossless, checked in the benchmark too
+        if key[2] in ("slem", "tli", "slrs", "uag", "usd-unpruned"):
+            assert row["tokens_per_target_forward"] >= 1.0 and row["ms_per_token_drafter"] > 0, key
+    assert rows["greedy", "edge-sd", "ar", 0]["speedup_median"] == 1.0
+    for png in ("real_pair_speedup.png", "real_pair_time_split.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- real-pair-bench:end -->\ntail\n")
+    assert "| edge-sd | SLEM | 2 |" in text and "results/real_pair_speedup.png" in text
