@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -156,7 +157,7 @@ def write(results: dict, out: Path, command: str, readme: Path | None = None, na
     images = plots(rows, out)
     (out / f"{name}.md").write_text(markdown(results, rows, command, ".") + "\n")
     if readme is not None:
-        rel = out.resolve().relative_to(readme.resolve().parent)
+        rel = Path(os.path.relpath(out.resolve(), readme.resolve().parent))
         _update_readme(readme, markdown(results, rows, command, rel.as_posix()))
     return {"rows": rows, "files": [out / f"{name}.json", out / f"{name}.md", *images]}
 

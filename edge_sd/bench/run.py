@@ -7,6 +7,7 @@ plain decoding of the same prompt, summarised by their median.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -44,6 +45,8 @@ class BenchOptions:
     def check(self) -> None:
         if self.per_set < 1 or self.max_new_tokens < 1:
             raise UsageError("--per-set and --max-new-tokens must be at least 1")
+        if not self.algorithms or not self.modes or not self.ks:
+            raise UsageError("give at least one algorithm, one mode and one k")
         if any(k < 1 for k in self.ks + self.hf_ks):
             raise UsageError("every k must be at least 1")
         for a in self.algorithms:
@@ -98,8 +101,6 @@ def configs(opts: BenchOptions) -> list[Config]:
 
 
 def machine() -> dict:
-    import os
-
     import onnxruntime
 
     return {
