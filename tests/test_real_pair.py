@@ -40,10 +40,10 @@ NEW_TOKENS = 32
 ALGOS = ("slem", "tli", "slrs")
 # Acceptance floors: about two thirds of what these prompts measured (32 greedy tokens each, int8
 # drafter, 2-core x86-64), so that another CPU's rounding cannot trip them while a broken map or sync
-# (an untrained drafter measured below 10% on the tiny pairs) still does. Measured: TLI 0.444 / 0.324,
-# SLRS 0.469 / 0.339 at k=3 / 5; SLEM 0.408 at k=5 and more at k=3.
+# (an untrained drafter measured below 10% on the tiny pairs) still does. Measured at k=3 / 5: SLEM
+# 0.534 / 0.408, TLI 0.444 / 0.324, SLRS 0.469 / 0.339.
 ACCEPTANCE_FLOOR = {
-    ("slem", 3): 0.30, ("slem", 5): 0.27,
+    ("slem", 3): 0.36, ("slem", 5): 0.27,
     ("tli", 3): 0.30, ("tli", 5): 0.22,
     ("slrs", 3): 0.31, ("slrs", 5): 0.23,
 }
