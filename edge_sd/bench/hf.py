@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from edge_sd.bench.run import Record
 from edge_sd.errors import UsageError
 
 HF_NAMES = {"target": "gemma3-270m", "drafter": "smollm2-135m"}
@@ -105,6 +106,8 @@ def _count_candidates() -> Any:
 
 
 class HFPair:
+    """The pair in transformers: the target, the drafter copies, and tokenizers from the engines' files."""
+
     def __init__(self, target: Any, drafters: dict[str, Any], tok: Any, dtoks: dict[str, Any], eos: list[int],
                  pad: int):
         self.target, self.drafters, self.tok, self.dtoks = target, drafters, tok, dtoks
@@ -128,11 +131,13 @@ class HFPair:
             )
         hf_logging.set_verbosity_error()
         torch.set_num_threads(threads)
+
         def load(role: str) -> Any:
             return AutoModelForCausalLM.from_pretrained(hf_dir / HF_NAMES[role], dtype=torch.float32).eval()
 
         target, plain_drafter = load("target"), load("drafter")
         drafters = {"uag": plain_drafter, "usd": load("drafter"), "usd-unpruned": plain_drafter}
+
         def tokenizer(side: Any) -> Any:
             m = side.manifest
             eos = m.eos_token_ids[0] if m.eos_token_ids else None
@@ -148,10 +153,8 @@ class HFPair:
         pad = tm.pad_token_id if tm.pad_token_id is not None else tm.eos_token_ids[0]
         return cls(target, drafters, tokenizer(pipe.target), dtoks, list(tm.eos_token_ids), pad)
 
-    def generate(self, ids: list[int], mode: str, algorithm: str, k: int, max_new: int, seed: int) -> Any:
+    def generate(self, ids: list[int], mode: str, algorithm: str, k: int, max_new: int, seed: int) -> Record:
         import torch
-
-        from edge_sd.bench.run import Record
 
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new, "eos_token_id": self.eos, "pad_token_id": self.pad,
