@@ -153,7 +153,10 @@ def markdown(results: dict, rows: list[dict], command: str, image_dir: str) -> s
 def write(results: dict, out: Path, command: str, readme: Path | None = None, name: str = "real_pair") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(results)
-    (out / f"{name}.json").write_text(json.dumps({**results, "summary": rows}, indent=1) + "\n")
+    # The raw records without their token ids (the summary has already compared them): small enough
+    # to keep beside the table.
+    records = [{k: v for k, v in r.items() if k != "token_ids"} for r in results["records"]]
+    (out / f"{name}.json").write_text(json.dumps({**results, "records": records, "summary": rows}) + "\n")
     images = plots(rows, out)
     (out / f"{name}.md").write_text(markdown(results, rows, command, ".") + "\n")
     if readme is not None:
