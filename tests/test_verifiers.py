@@ -33,6 +33,22 @@ def dists(seed: int, rows: int, v: int = V, alpha: float = 0.7) -> np.ndarray:
     return np.random.default_rng(seed).dirichlet(np.full(v, alpha), size=rows)
 
 
+def mapped_first_tokens(q_d: np.ndarray, mapping: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Counts of the first emitted token when a drafter token d ~ q_d is proposed as mapping[d] (-1: a
+    proposal outside the target vocabulary) with the proposal q_d scattered into target ids (TLI's q',
+    SLRS's psi), then verified by the standard rule."""
+    proposal = np.zeros(V)
+    ok = mapping >= 0
+    np.add.at(proposal, mapping[ok], q_d[ok])
+
+    def run(rng):
+        c = int(mapping[sample(q_d, rng)])
+        a, nxt = verify_standard([c], proposal[None], p, rng)
+        return c if a == 1 else nxt
+
+    return first_tokens(run)
+
+
 def first_tokens(run) -> np.ndarray:
     counts = np.zeros(V)
     rng = np.random.default_rng(42)
@@ -93,16 +109,7 @@ def test_tli_restricted_proposal_emits_p() -> None:
     p = dists(6, 2)
     q_restricted = q_d * (token_map >= 0)
     q_restricted /= q_restricted.sum()
-    row = np.zeros(V)
-    np.add.at(row, token_map[token_map >= 0], q_restricted[token_map >= 0])
-
-    def run(rng):
-        d = sample(q_restricted, rng)
-        c = int(token_map[d])
-        a, nxt = verify_standard([c], row[None], p, rng)
-        return c if a == 1 else nxt
-
-    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+    assert tv(mapped_first_tokens(q_restricted, token_map, p), p[0]) < tv_bound(V)
 
 
 def test_slrs_prefix_proposal_emits_p() -> None:
@@ -115,18 +122,8 @@ def test_slrs_prefix_proposal_emits_p() -> None:
     prefix = build_maps(dv, tv_).prefix
     assert prefix.tolist() == [1, 0, 2, 3, 4, -1, 3]
     q_d = dists(7, 1, v=len(drafter_bytes))[0]
-    psi = np.zeros(V)
-    ok = prefix >= 0
-    np.add.at(psi, prefix[ok], q_d[ok])
     p = dists(8, 2)
-
-    def run(rng):
-        d = sample(q_d, rng)
-        t = int(prefix[d])
-        a, nxt = verify_standard([t], psi[None], p, rng)
-        return t if a == 1 else nxt
-
-    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+    assert tv(mapped_first_tokens(q_d, prefix, p), p[0]) < tv_bound(V)
 
     # A leftover proposal is a point mass: accepted with probability p(t), else a draw of p without t.
     point = np.zeros((1, V))

@@ -51,7 +51,6 @@ class DrafterState:
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
         self.ends: list[int] = []  # byte end of each generated-region token known to match the text
         self._last_logits: np.ndarray | None = None
-        self.forwards = 0
 
     def room(self) -> int:
         """How many more tokens the drafter may draft before hitting its maximum context."""
@@ -62,7 +61,6 @@ class DrafterState:
         pending = self.ids[self.engine.n_cached :]
         if pending:
             self._last_logits = self.engine.forward(np.asarray(pending))[-1]
-            self.forwards += 1
         assert self._last_logits is not None, "the drafter has no context to continue"
         return self._last_logits
 

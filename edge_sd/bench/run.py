@@ -146,14 +146,14 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         hf.generate(pipe.target.prompt_ids(warm, False), "greedy", "ar", 0, 4, 0)
     records: list[Record] = []
     for i, prompt in enumerate(plist):
+        seed = opts.seed + i
+        ids = pipe.target.prompt_ids(prompt.text, False)  # transformers gets edge-sd's exact token ids
         for cfg in todo:
-            seed = opts.seed + i
             if cfg.engine == "edge-sd":
                 rec = _run_edge(plain if cfg.algorithm == "ar" else pipe, prompt, cfg, opts.max_new_tokens, seed)
             else:
                 assert hf is not None
-                rec = hf.generate(pipe.target.prompt_ids(prompt.text, False), cfg.mode, cfg.algorithm, cfg.k,
-                                  opts.max_new_tokens, seed)
+                rec = hf.generate(ids, cfg.mode, cfg.algorithm, cfg.k, opts.max_new_tokens, seed)
                 rec.prompt = prompt.id
             records.append(rec)
             if on_run:
