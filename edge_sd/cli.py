@@ -54,6 +54,12 @@ def export(
         None, "--drafter-precision", help="The drafter's precision [same as --precision]: a cheaper drafter "
         "costs no accuracy, the target alone decides the output."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Cap the manifest's context."),
+    exporter: str = typer.Option(
+        "auto", "--exporter", help="auto | builder | optimum. builder: onnxruntime-genai's model builder "
+        "(fused attention, shared KV buffer; Llama, Qwen, Gemma, Mistral, Phi); optimum: any architecture "
+        "optimum exports. auto takes the builder where it handles the model."),
+    device: str = typer.Option("cpu", "--device", help="What the builder's graph is made for: cpu or cuda "
+                               "(fp16 and int4 graphs for NVIDIA GPUs)."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the parity checks (not advised)."),
     force: bool = typer.Option(False, "--force", "-f", help="Replace an existing folder."),
 ) -> None:
@@ -66,6 +72,10 @@ def export(
       edge-sd export -t google/gemma-3-270m -d HuggingFaceTB/SmolLM2-135M-Instruct -o engines/pair
 
       edge-sd export -t target.gguf -d drafter.gguf --drafter-precision int4
+
+      edge-sd export -t ./hf-folder --precision fp16 --device cuda -o engines/gpu
+
+      edge-sd export -t ./hf-folder --exporter optimum      # an architecture the builder lacks
     """
     with _errors():
         try:
@@ -77,7 +87,8 @@ def export(
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         dest = out_dir or default_out(target, drafter)
-        opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate)
+        opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate,
+                             exporter=exporter, device=device)
         drafter_opts = replace(opts, precision=drafter_precision) if drafter_precision else opts
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err, transient=False) as progress:
@@ -98,18 +109,17 @@ def export(
 
 def _print_export_summary(summary: dict) -> None:
     table = Table(title=f"exported to {summary['out']}")
-    for col in ("engine", "arch", "precision", "vocab", "files", "size MB", "max diff vs torch",
-                "cache checks"):
+    for col in ("engine", "arch", "path", "precision", "vocab", "files", "size MB", "max diff vs torch",
+                "steps vs forward", "min step"):
         table.add_column(col)
     for role, e in summary["engines"].items():
         v = e["validation"]
-        cache = max((v.get(k, 0.0) for k in ("max_rel_diff_cached_step", "max_rel_diff_multi_token",
-                                               "max_rel_diff_after_truncate")), default=0.0)
         table.add_row(
-            f"{role}: {e['name']}", e["architecture"], e["precision"], str(e["vocab"]),
+            f"{role}: {e['name']}", e["architecture"], e["export_path"], e["precision"], str(e["vocab"]),
             ", ".join(e["files"]), f"{sum(e['files'].values()) / 1e6:.1f}",
             f"{v['max_rel_diff_vs_torch']:.1e}" if v else "not validated",
-            f"{cache:.1e}" if v else "-",
+            f"{v['max_rel_diff_steps_vs_forward']:.1e}" if v else "-",
+            str(e["min_step_positions"]),
         )
     out.print(table)
     if "pair" in summary:

@@ -72,8 +72,10 @@ class Decoder:
             if n > max_ctx:
                 stats.stop_reason = "context"
                 break
-            # Never draft past what may be emitted: the round also emits one token of its own.
-            k = min(self.lookahead, remaining - 1, max_ctx - n)
+            # Never draft past what may be emitted: the round also emits one token of its own. Nor
+            # while the target's cache is empty (a one-token prompt): that forward has a single
+            # position with nothing to re-feed, so plain decoding takes it alone too.
+            k = min(self.lookahead, remaining - 1, max_ctx - n) if target.n_cached else 0
             draft = self.proposer.propose(k, committed) if (self.proposer and k > 0) else None
             cands = draft.candidates[:k] if draft else []
             start = time.perf_counter()

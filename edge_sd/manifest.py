@@ -18,9 +18,16 @@ from edge_sd.errors import ArtifactError
 
 ENGINE_FILE = "engine.json"
 PAIR_FILE = "pair.json"
-# Bumped whenever a field changes meaning; readers refuse versions they do not know.
-FORMAT_VERSION = 1
+# Bumped whenever a field changes meaning; readers refuse versions they do not know. Version 2 added
+# `kv_layout` and `min_step_positions`: a version-1 reader would drive a shared-buffer graph wrongly.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 files are concat-layout engines, one position per step
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# How the KV cache is passed (README, "The manifest contract"):
+#   concat: `present` = past + new positions, a fresh tensor each call (optimum's exports);
+#   shared: one buffer per layer, bound as both past and present; a call writes only its new
+#           positions and `attention_mask`'s length says how many are valid (GroupQueryAttention).
+KV_LAYOUTS = ("concat", "shared")
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,12 @@ class EngineManifest:
     present_value_template: str = "present.{i}.value"
     chat_template: str | None = None
     source: str = ""
+    kv_layout: str = "concat"
+    # Forwards over fewer positions take other kernels on some CPUs (a single row goes through a GEMV
+    # path): feeding at least this many (re-feeding cached ones) keeps every forward on one kernel, so
+    # that a k-token verification computes exactly what single steps compute. Measured at export.
+    min_step_positions: int = 1
+    export_path: str = "optimum"
     exporter: dict[str, str] = field(default_factory=dict)
     files: list[FileEntry] = field(default_factory=list)
     validation: dict[str, Any] = field(default_factory=dict)
@@ -108,10 +121,10 @@ def _from_dict(cls: type, data: Any, source: Path) -> Any:
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: expected a JSON object, got {type(data).__name__}")
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ArtifactError(
             f"{source}: format_version {version!r} is not supported by this edge-sd "
-            f"(it reads version {FORMAT_VERSION}); re-export the model or upgrade edge-sd"
+            f"(it reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-export the model or upgrade edge-sd"
         )
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -138,8 +151,13 @@ def _check_types(obj: Any, source: Path) -> None:
         if expected is not None and (not isinstance(value, expected) or
                                      (expected is int and isinstance(value, bool))):
             raise ArtifactError(f"{source}: field {f.name!r} should be {f.type}, got {value!r}")
-    if isinstance(obj, EngineManifest) and obj.precision not in PRECISIONS:
-        raise ArtifactError(f"{source}: unknown precision {obj.precision!r}")
+    if isinstance(obj, EngineManifest):
+        if obj.precision not in PRECISIONS:
+            raise ArtifactError(f"{source}: unknown precision {obj.precision!r}")
+        if obj.kv_layout not in KV_LAYOUTS:
+            raise ArtifactError(f"{source}: unknown kv_layout {obj.kv_layout!r} (expected one of {KV_LAYOUTS})")
+        if obj.min_step_positions < 1:
+            raise ArtifactError(f"{source}: min_step_positions must be at least 1, got {obj.min_step_positions}")
 
 
 def _load_json(path: Path) -> Any:

@@ -68,10 +68,16 @@ class GenerationResult:
 
 
 class _Side:
-    """One engine with its tokenizer."""
+    """One engine with its tokenizer.
 
-    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: bool = True):
-        self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify, spin=spin)
+    A drafter runs every forward at its natural size: its forwards need not agree with each other,
+    only with what it proposes, so it skips the target's `min_step_positions` re-feeding.
+    """
+
+    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: bool = True,
+                 drafter: bool = False):
+        self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
+                                min_step_positions=1 if drafter else None)
         self.manifest: EngineManifest = self.engine.manifest
         self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
 
@@ -132,7 +138,7 @@ class Pipeline:
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             target = _Side(folder / pm.target, provider, threads, verify, spin=False)
-            drafter = _Side(folder / pm.drafter, provider, threads, verify, spin=False)
+            drafter = _Side(folder / pm.drafter, provider, threads, verify, spin=False, drafter=True)
             maps, notes = _load_maps(folder, pm, target, drafter)
             return cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
         if (folder / ENGINE_FILE).is_file():
@@ -200,6 +206,13 @@ class Pipeline:
                 proposer = self._proposer(algo, sampling, rng, d_ids)
                 self.drafter.engine.reset()
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if sampling.greedy else "sample"]
+        # Size preallocated caches for the whole generation now (they never grow mid-way). The
+        # drafter's tokens for the same text may outnumber the target's: twice as many is a guess that
+        # covers the pairs here; beyond it the cache grows by doubling.
+        self.target.engine.reserve(len(ids) + cfg.max_new_tokens + k + 1)
+        if proposer is not None:
+            assert self.drafter is not None
+            self.drafter.engine.reserve(len(d_ids) + 2 * (cfg.max_new_tokens + k) + 1)
         stats = Stats(algorithm=algo, lookahead=k if algo != "ar" else 0)
         decoder = Decoder(self.target.engine, self.target.vocab, proposer, sampling, rng, k)
         limits = LoopLimits(cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))

@@ -22,6 +22,10 @@ MODELS = {
     "bl_llama_b": ("bl", "llama", 4, 60),
     "bl2_random": ("bl2", "qwen2", 5, 0),  # untrained: a drafter that knows nothing
 }
+# Engines exported through `--exporter auto` (onnxruntime-genai's model builder for these three
+# architectures: GroupQueryAttention, a shared KV buffer); these also go through optimum (concat KV
+# layout), so that both layouts run every test that takes a pair.
+OPTIMUM_ENGINES = {"sp_gemma_opt": "sp_gemma", "bl2_qwen_opt": "bl2_qwen", "bl_llama_opt": "bl_llama"}
 # pair name -> (target, drafter)
 PAIRS = {
     "gemma_qwen": ("sp_gemma", "bl2_qwen"),  # SentencePiece-style target, byte-level drafter
@@ -31,8 +35,10 @@ PAIRS = {
     "llama_same": ("bl_llama", "bl_llama_b"),  # one vocabulary: standard speculative sampling
     "llama_self": ("bl_llama", "bl_llama"),  # the drafter is the target itself
     "llama_random": ("bl_llama", "bl2_random"),  # an untrained drafter
+    "gemma_qwen_opt": ("sp_gemma_opt", "bl2_qwen_opt"),  # optimum's graphs on both sides
+    "llama_qwen_mixed": ("bl_llama_opt", "bl2_qwen"),  # an optimum target, a builder drafter
 }
-CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen")
+CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen", "gemma_qwen_opt", "llama_qwen_mixed")
 
 
 def _tokenizer(kind: str):
@@ -64,12 +70,14 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         hf = root / "hf" / name
         if not hf.exists():
             tiny.build_model(hf, _tokenizer(kind), arch, seed, steps)
+    engines = {name: (name, "auto") for name in MODELS} | {e: (m, "optimum") for e, m in OPTIMUM_ENGINES.items()}
+    for name, (model, exporter) in engines.items():
         eng = root / "engines" / name
         if not eng.exists():
             tmp = root / "engines" / f".{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            export_engine(str(hf), tmp, ExportOptions(), name=name)
+            export_engine(str(root / "hf" / model), tmp, ExportOptions(exporter=exporter), name=name)
             tmp.rename(eng)
     for pair, (t, d) in PAIRS.items():
         folder = root / "pairs" / pair

@@ -11,27 +11,37 @@ import pytest
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.manifest import load_engine_manifest
 
-from conftest import MODELS
+from conftest import MODELS, OPTIMUM_ENGINES
+
+ENGINES = {**{name: name for name in MODELS}, **OPTIMUM_ENGINES}  # engine -> the HF model it came from
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(ENGINES))
 def test_validation_figures_within_tolerance(tiny_root: Path, name: str) -> None:
     m = load_engine_manifest(tiny_root / "engines" / name)
     v = m.validation
     assert v["max_rel_diff_vs_torch"] <= v["tolerance_vs_torch"]
-    for key in ("max_rel_diff_cached_step", "max_rel_diff_multi_token", "max_rel_diff_after_truncate"):
-        assert v[key] <= v["tolerance_cache"], key
+    assert v["max_rel_diff_steps_vs_forward"] <= v["tolerance_cache"]
     assert v["top1_agreement_vs_torch"] == 1.0
+    assert m.min_step_positions == v["min_step_positions"]
+    if m.export_path == "builder":
+        # Forwards over two or more positions take one kernel path: bit-identical to each other.
+        assert v["max_rel_diff_multi_position"] == 0.0
+        assert m.min_step_positions == (2 if v["max_rel_diff_single_position"] > 0 else 1)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(ENGINES))
 def test_manifest_describes_the_model(tiny_root: Path, name: str) -> None:
     m = load_engine_manifest(tiny_root / "engines" / name)
-    cfg = json.loads((tiny_root / "hf" / name / "config.json").read_text())
+    cfg = json.loads((tiny_root / "hf" / ENGINES[name] / "config.json").read_text())
     assert m.num_layers == cfg["num_hidden_layers"]
     assert m.num_kv_heads == cfg["num_key_value_heads"]
+    assert m.head_dim == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     assert m.logits_width == cfg["vocab_size"]
-    assert m.has_position_ids == (MODELS[name][1] != "gemma3")  # Gemma-3's export has no position_ids
+    builder = name not in OPTIMUM_ENGINES  # auto sends llama, qwen2 and gemma3 to the builder
+    assert (m.export_path, m.kv_layout) == (("builder", "shared") if builder else ("optimum", "concat"))
+    # Position ids are an input of optimum's graphs except Gemma-3's; the builder derives them.
+    assert m.has_position_ids == (not builder and MODELS[ENGINES[name]][1] != "gemma3")
     assert m.bos_token_id == 2 and m.add_bos and 1 in m.eos_token_ids
     assert {f.path for f in m.files} >= {"model.onnx", "tokenizer.json"}
 
@@ -54,9 +64,10 @@ def test_greedy_equals_transformers_generate(tiny_root: Path, name: str) -> None
         assert ours.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
-def test_engine_cache_round_trip(tiny_root: Path) -> None:
+@pytest.mark.parametrize("name", ["bl_llama", "bl_llama_opt"])
+def test_engine_cache_round_trip(tiny_root: Path, name: str) -> None:
     """Cutting the cache back and re-feeding gives the logits of a fresh run (runtime engine)."""
-    eng = OrtEngine(tiny_root / "engines" / "bl_llama", provider="cpu", threads=2)
+    eng = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2)
     ids = np.arange(3, 23)
     full = eng.forward(ids)
     eng.truncate(7)
@@ -127,15 +138,16 @@ def test_failed_export_keeps_existing_folder(tiny_root: Path, tmp_path: Path) ->
     assert [p.name for p in tmp_path.iterdir()] == ["keep"]
 
 
+@pytest.mark.parametrize("exporter", ["builder", "optimum"])
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_quantized_export(tiny_root: Path, tmp_path: Path, precision: str) -> None:
+def test_quantized_export(tiny_root: Path, tmp_path: Path, precision: str, exporter: str) -> None:
     from edge_sd import GenerationConfig, Pipeline
     from edge_sd.export.hf import ExportOptions, export_engine
 
     dest = tmp_path / precision
     dest.mkdir()
-    m = export_engine(str(tiny_root / "hf" / "bl_llama"), dest, ExportOptions(precision=precision))
-    assert m.precision == precision
+    m = export_engine(str(tiny_root / "hf" / "bl_llama"), dest, ExportOptions(precision=precision, exporter=exporter))
+    assert (m.precision, m.export_path) == (precision, exporter)
     fp32 = sum(f.bytes for f in load_engine_manifest(tiny_root / "engines" / "bl_llama").files)
     assert sum(f.bytes for f in m.files) < fp32  # the weights did shrink
     # Quantized weights move logits; the cache checks still hold (validated at export) and the
@@ -145,12 +157,17 @@ def test_quantized_export(tiny_root: Path, tmp_path: Path, precision: str) -> No
     assert len(r.token_ids) == 8
 
 
-def test_unimplemented_precision_is_a_clear_error(tiny_root: Path, tmp_path: Path) -> None:
+def test_unavailable_precision_is_a_clear_error(tiny_root: Path, tmp_path: Path) -> None:
     from edge_sd.errors import UsageError
     from edge_sd.export.hf import ExportOptions, export_engine
 
-    with pytest.raises(UsageError, match="fp16 is not implemented"):
-        export_engine(str(tiny_root / "hf" / "bl_llama"), tmp_path, ExportOptions(precision="fp16"))
+    src = str(tiny_root / "hf" / "bl_llama")
+    with pytest.raises(UsageError, match="fp16 is not available on the optimum path"):
+        export_engine(src, tmp_path, ExportOptions(precision="fp16", exporter="optimum"))
+    with pytest.raises(UsageError, match="fp16 graphs are for --device cuda"):
+        export_engine(src, tmp_path, ExportOptions(precision="fp16"))
+    with pytest.raises(UsageError, match="--device cuda needs the builder"):
+        export_engine(src, tmp_path, ExportOptions(exporter="optimum", device="cuda"))
 
 
 def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
@@ -166,7 +183,7 @@ def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
     target, drafter = load_engine_manifest(out / "target"), load_engine_manifest(out / "drafter")
     assert (target.precision, drafter.precision) == ("fp32", "int8")
     assert target.validation["cache_checks_required"] and not drafter.validation["cache_checks_required"]
-    assert target.validation["max_rel_diff_multi_token"] <= target.validation["tolerance_cache"]
+    assert target.validation["max_rel_diff_steps_vs_forward"] <= target.validation["tolerance_cache"]
     pipe = Pipeline.from_folder(out, provider="cpu", threads=2)
     for prompt in ("The cat", "def add(a, b):", "café naïve"):
         plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm="ar")).token_ids

@@ -150,7 +150,10 @@ def _make(arch: str, vocab: int):
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common))
     if arch == "gemma3":
+        # The released Gemma-3 layer pattern (five sliding-window layers, then a global one), which
+        # onnxruntime-genai's model builder assumes; a 16-position window that the tests exceed.
+        layer_types = ["sliding_attention"] * 5 + ["full_attention"]
         return Gemma3ForCausalLM(Gemma3TextConfig(
             num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
-            layer_types=["sliding_attention", "full_attention"], **common))
+            layer_types=layer_types, **{**common, "num_hidden_layers": len(layer_types)}))
     raise ValueError(arch)

@@ -24,3 +24,7 @@ class Engine(Protocol):
     def reset(self) -> None:
         """Empty the KV cache."""
         ...
+
+    def reserve(self, n: int) -> None:
+        """Make room for n cached positions up front (a preallocated cache then never grows)."""
+        ...

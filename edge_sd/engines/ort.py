@@ -1,4 +1,4 @@
-"""ONNX Runtime engine: IO binding, KV cache kept as OrtValues between steps."""
+"""ONNX Runtime engine: IO binding, with the KV cache in one of the manifest's two layouts."""
 
 from __future__ import annotations
 
@@ -8,49 +8,25 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError
+from edge_sd.engines.kv import ConcatKV, SharedKV
+from edge_sd.engines.providers import PROVIDERS, resolve_providers, tensorrt_options
+from edge_sd.errors import ArtifactError, ContextLimitError
 from edge_sd.manifest import EngineManifest, check_files, load_engine_manifest
 
-PROVIDERS = {
-    "tensorrt": "TensorrtExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "cpu": "CPUExecutionProvider",
-}
-# `auto` tries these in order and takes every one that this onnxruntime build offers.
-AUTO_ORDER = ("tensorrt", "cuda", "cpu")
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-
-
-def available_providers() -> list[str]:
-    """Short names of the execution providers this onnxruntime build offers."""
-    have = set(ort.get_available_providers())
-    return [name for name, full in PROVIDERS.items() if full in have]
-
-
-def resolve_providers(provider: str) -> list[str]:
-    """ORT provider names for `auto|cpu|cuda|tensorrt`; an unavailable explicit choice is an error."""
-    have = available_providers()
-    if provider == "auto":
-        return [PROVIDERS[p] for p in AUTO_ORDER if p in have]
-    if provider not in PROVIDERS:
-        raise ProviderError(
-            f"unknown provider {provider!r}; choose one of auto, {', '.join(PROVIDERS)}"
-        )
-    if provider not in have:
-        raise ProviderError(
-            f"provider {provider!r} is not available in this onnxruntime build "
-            f"(available: {', '.join(have)}); install edge-sd[gpu] on a machine with a GPU"
-        )
-    # CPU stays last as the home of any node the accelerator cannot run.
-    return [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
+# A shared-buffer cache starts this large (positions) unless told otherwise, and grows by doubling;
+# `reserve` sizes it for a whole generation up front so that it never grows mid-way.
+DEFAULT_CAPACITY = 1024
 
 
 class OrtEngine:
     """One exported decoder driven through ONNX Runtime IO binding.
 
-    The KV cache lives in the `present.*` OrtValues of the last call and is bound straight back as
-    `past_key_values.*`, so no cache crosses into numpy per step. Cutting the cache back (after a
-    rejected draft) is the only copy, and only of the positions that are kept.
+    The KV cache never crosses into numpy per step: a concat-layout graph's `present.*` values are
+    bound back as the next call's past; a shared-layout graph writes into one buffer per layer that is
+    bound as both past and present, so a step writes only its new positions and cutting the cache back
+    is a change of length. Every forward covers at least `min_step_positions` positions (re-feeding
+    cached ones), so that all forwards run the same kernels (manifest, `min_step_positions`).
     """
 
     def __init__(
@@ -60,15 +36,22 @@ class OrtEngine:
         threads: int | None = None,
         verify_files: bool = False,
         spin: bool = True,
+        capacity: int | None = None,
+        min_step_positions: int | None = None,
     ):
         """spin: let ONNX Runtime's worker threads spin between runs. Faster for one engine alone
         (Gemma-3-270M, 2 cores: 55.5 against 60 ms/token); for a target and a drafter that take
         turns it is slower, since one session's spinning threads steal the cores the other runs on
-        (SmolLM2 drafter steps between target forwards: 42 ms spinning, 27 ms not)."""
+        (SmolLM2 drafter steps between target forwards: 42 ms spinning, 27 ms not).
+
+        capacity: initial KV positions of a shared-layout cache. min_step_positions: override the
+        manifest's (1 for a drafter, whose forwards need not agree with each other).
+        """
         self.folder = Path(folder)
         self.manifest: EngineManifest = load_engine_manifest(self.folder)
         check_files(self.manifest, self.folder, full=verify_files)
         m = self.manifest
+        self.min_step = m.min_step_positions if min_step_positions is None else max(1, min_step_positions)
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -76,11 +59,14 @@ class OrtEngine:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if not spin:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = resolve_providers(provider)
+        names = resolve_providers(provider)
+        cap = min(m.max_context, max(capacity or DEFAULT_CAPACITY, m.sliding_window or 0))
+        chosen: list = [
+            (n, tensorrt_options(m, self.folder, cap if m.kv_layout == "shared" else m.max_context, m.max_context))
+            if n == PROVIDERS["tensorrt"] else n for n in names
+        ]
         try:
-            self.session = ort.InferenceSession(
-                str(self.folder / m.model_file), sess_options=opts, providers=providers
-            )
+            self.session = ort.InferenceSession(str(self.folder / m.model_file), sess_options=opts, providers=chosen)
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ArtifactError(
                 f"{self.folder / m.model_file}: ONNX Runtime could not load it ({_first_line(e)})"
@@ -90,60 +76,67 @@ class OrtEngine:
         missing = [n for n in m.input_names if n not in inputs]
         if missing:
             raise ArtifactError(f"{self.folder}: model lacks inputs named in the manifest: {missing}")
-        self.kv_dtype = _NP_DTYPES.get(inputs[m.past_key_template.format(i=0)].type, np.float32)
-        self._past_names = [
-            (m.past_key_template.format(i=i), m.past_value_template.format(i=i))
-            for i in range(m.num_layers)
-        ]
-        self._present_names = [
-            (m.present_key_template.format(i=i), m.present_value_template.format(i=i))
-            for i in range(m.num_layers)
-        ]
-        self._device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        kv_dtype = _NP_DTYPES.get(inputs[m.past_key_template.format(i=0)].type, np.float32)
+        self.device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        self._io = self.session.io_binding()
+        # Logits are bound first so that they are always output 0, whatever the cache binds.
+        self._io.bind_output("logits", "cpu")
+        kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
+        self._kv = kv_class(m, self._io, self.device, kv_dtype, cap)
+        # Inputs are slices of these: no per-step allocation of masks and positions.
+        self._ones = np.ones((1, m.max_context), dtype=np.int64)
+        self._positions = np.arange(m.max_context, dtype=np.int64)[None]
+        self._fed = np.zeros(m.max_context, dtype=np.int64)  # the id at each cached position
         self.forward_count = 0
         self.forward_time = 0.0
-        self.reset()
+        self.n_cached = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache holds without growing (max_context for the concat layout)."""
+        return self._kv.capacity
+
+    def reserve(self, n: int) -> None:
+        """Make room for n cached positions now, so that the cache does not grow during a generation."""
+        self._kv.ensure(min(n, self.manifest.max_context), self.n_cached)
 
     def reset(self) -> None:
-        m = self.manifest
-        empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), dtype=self.kv_dtype)
-        empty_value = ort.OrtValue.ortvalue_from_numpy(empty, self._device)
-        self._cache: list[tuple[ort.OrtValue, ort.OrtValue]] = [
-            (empty_value, empty_value) for _ in range(m.num_layers)
-        ]
+        self._kv.truncate(0)
         self.n_cached = 0
 
     def forward(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        s = ids.shape[1]
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        s = len(ids)
         m = self.manifest
         if s == 0:
             raise ValueError("forward needs at least one token")
-        total = self.n_cached + s
-        if total > m.max_context:
+        if self.n_cached + s > m.max_context:
             raise ContextLimitError(
-                f"{m.name}: {total} positions would exceed the maximum context of {m.max_context}"
+                f"{m.name}: {self.n_cached + s} positions would exceed the maximum context of {m.max_context}"
             )
-        start = time.perf_counter()
-        io = self.session.io_binding()
-        io.bind_cpu_input("input_ids", ids)
-        io.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+        start_time = time.perf_counter()
+        back = min(max(self.min_step - s, 0), self.n_cached)  # cached positions fed again
+        if back:
+            ids = np.concatenate([self._fed[self.n_cached - back : self.n_cached], ids])
+            self.truncate(self.n_cached - back)
+        start = self.n_cached
+        total = start + len(ids)
+        self._kv.ensure(total, start)
+        io = self._io
+        io.bind_cpu_input("input_ids", ids[None])
+        io.bind_cpu_input("attention_mask", self._ones[:, :total])
         if m.has_position_ids:
-            io.bind_cpu_input("position_ids", np.arange(self.n_cached, total, dtype=np.int64)[None])
-        for (k_name, v_name), (k, v) in zip(self._past_names, self._cache, strict=True):
-            io.bind_ortvalue_input(k_name, k)
-            io.bind_ortvalue_input(v_name, v)
+            io.bind_cpu_input("position_ids", self._positions[:, start:total])
+        self._kv.bind_past(start)
         io.bind_output("logits", "cpu")
-        for k_name, v_name in self._present_names:
-            io.bind_output(k_name, self._device)
-            io.bind_output(v_name, self._device)
         self.session.run_with_iobinding(io)
         out = io.get_outputs()
-        logits = out[0].numpy()[0]  # [s, V]
-        self._cache = [(out[1 + 2 * i], out[2 + 2 * i]) for i in range(m.num_layers)]
+        self._kv.after_run(out)
+        logits = out[0].numpy()[0, back:]  # [s, V]
+        self._fed[start:total] = ids
         self.n_cached = total
         self.forward_count += 1
-        self.forward_time += time.perf_counter() - start
+        self.forward_time += time.perf_counter() - start_time
         return logits
 
     def truncate(self, n: int) -> None:
@@ -151,13 +144,7 @@ class OrtEngine:
             return
         if n < 0:
             raise ValueError(f"cannot truncate to {n} positions")
-        cut = []
-        for k, v in self._cache:
-            cut.append(tuple(
-                ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x.numpy()[:, :, :n]), self._device)
-                for x in (k, v)
-            ))
-        self._cache = cut  # type: ignore[assignment]
+        self._kv.truncate(n)
         self.n_cached = n
 
 

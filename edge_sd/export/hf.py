@@ -29,8 +29,9 @@ TOKENIZER_FILE = "tokenizer.json"
 TASK = "text-generation-with-past"
 # End-of-turn markers of common chat formats: generation stops at them as at EOS when they exist.
 CHAT_END_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
-# Precisions whose export path is implemented; the rest are accepted names that error clearly.
-SUPPORTED_PRECISIONS = ("fp32", "int8", "int4")
+# Precisions each export path implements; the rest are accepted names that error clearly.
+SUPPORTED_PRECISIONS = {"builder": ("fp32", "fp16", "int8", "int4"), "optimum": ("fp32", "int8", "int4")}
+EXPORTERS = ("auto", "builder", "optimum")
 
 Step = Callable[[str], Any]  # a progress callback: returns a context manager for one named step
 
@@ -44,6 +45,10 @@ class ExportOptions:
     # A drafter needs no batch consistency (whatever its forward gives is what it proposes, and the
     # verifier uses exactly that), so a quantized drafter takes the faster int8-activation kernels.
     drafter: bool = False
+    # auto: onnxruntime-genai's model builder for the architectures it handles (fused attention, one
+    # shared KV buffer per layer), optimum's generic export for the rest.
+    exporter: str = "auto"
+    device: str = "cpu"  # what the builder's graph is made for: cpu, or cuda (fp16 / int4)
 
 
 def _null_step(name: str) -> Any:
@@ -164,6 +169,23 @@ def _chat_template(tok: Any, override: str | None) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def choose_exporter(requested: str, config: Any, hf_src: str) -> str:
+    """The export path for a model: `auto` takes the builder where it handles the architecture and
+    is installed, and the model is a local folder (the builder reads one)."""
+    import importlib.util
+
+    from edge_sd.export.builder import BUILDER_ARCHITECTURES, unsupported_reason
+
+    if requested not in EXPORTERS:
+        raise UsageError(f"unknown exporter {requested!r}; choose one of {', '.join(EXPORTERS)}")
+    if requested != "auto":
+        return requested
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    usable = Path(hf_src).is_dir() and importlib.util.find_spec("onnxruntime_genai") is not None
+    return "builder" if arch in BUILDER_ARCHITECTURES and usable and not unsupported_reason(config.to_dict()) \
+        else "optimum"
+
+
 def export_engine(
     src: str,
     dest: Path,
@@ -175,12 +197,7 @@ def export_engine(
     """Export one model into `dest` (an existing, empty folder) and validate it."""
     if opts.precision not in PRECISIONS:
         raise UsageError(f"unknown precision {opts.precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if opts.precision not in SUPPORTED_PRECISIONS:
-        raise UsageError(
-            f"precision {opts.precision} is not implemented yet; use one of {', '.join(SUPPORTED_PRECISIONS)}"
-        )
     _quiet()
-    from optimum.exporters.onnx import main_export
     from transformers import AutoConfig, GenerationConfig
 
     with tempfile.TemporaryDirectory(prefix="edge-sd-export-") as work:
@@ -195,39 +212,58 @@ def export_engine(
         except Exception:
             gen = None
         tj = _tokenizer_json(tok, tokenizer, dest)
-        onnx_dir = workdir / "onnx"
-        with step(f"export {source_name(src)} to ONNX ({TASK})"):
-            try:
-                main_export(
-                    hf_src, onnx_dir, task=TASK, opset=opts.opset, do_validation=False,
-                    no_post_process=False, library_name="transformers",
-                )
-            except Exception as e:
-                raise ExportError(f"optimum could not export {src}: {_short(e)}") from None
-        for f in onnx_dir.iterdir():
-            if f.name.startswith("model.onnx"):
-                shutil.move(str(f), dest / f.name)
-        if opts.precision in ("int8", "int4"):
-            from edge_sd.export.quantize import quantize
+        path = choose_exporter(opts.exporter, config, hf_src)
+        if opts.precision not in SUPPORTED_PRECISIONS[path]:
+            raise UsageError(f"precision {opts.precision} is not available on the {path} path; use one of "
+                             f"{', '.join(SUPPORTED_PRECISIONS[path])}")
+        if path == "builder":
+            from edge_sd.export.builder import build
 
-            with step(f"quantize to {opts.precision}"):
-                quantize(dest, opts.precision, batch_consistent=not opts.drafter)
-        manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer)
+            with step(f"build {source_name(src)} with the model builder ({opts.precision}, {opts.device})"):
+                build(hf_src, dest / TOKENIZER_FILE, dest, opts.precision, opts.device, workdir)
+        else:
+            if opts.device != "cpu":
+                raise UsageError("--device cuda needs the builder path (--exporter builder)")
+            _optimum_export(src, hf_src, dest, workdir, opts, step)
+        manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer, path)
         save(manifest, dest)
         if opts.validate:
             with step("validate against torch (subprocess)"):
                 figures = run_validation(dest, hf_src, opts.precision, opts.drafter)
-            manifest = EngineManifest(**{**manifest.__dict__, "validation": figures})
+            manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
+                                         "min_step_positions": figures["min_step_positions"]})
             save(manifest, dest)
         return manifest
 
 
+def _optimum_export(src: str, hf_src: str, dest: Path, workdir: Path, opts: ExportOptions, step: Step) -> None:
+    """optimum's text-generation-with-past export (concat KV layout), weight-quantized if asked."""
+    from optimum.exporters.onnx import main_export
+
+    onnx_dir = workdir / "onnx"
+    with step(f"export {source_name(src)} to ONNX ({TASK})"):
+        try:
+            main_export(
+                hf_src, onnx_dir, task=TASK, opset=opts.opset, do_validation=False,
+                no_post_process=False, library_name="transformers",
+            )
+        except Exception as e:
+            raise ExportError(f"optimum could not export {src}: {_short(e)}") from None
+    for f in onnx_dir.iterdir():
+        if f.name.startswith("model.onnx"):
+            shutil.move(str(f), dest / f.name)
+    if opts.precision in ("int8", "int4"):
+        from edge_sd.export.quantize import quantize
+
+        with step(f"quantize to {opts.precision}"):
+            quantize(dest, opts.precision, batch_consistent=not opts.drafter)
+
+
 def _manifest(
     src: str, dest: Path, config: Any, gen: Any, tok: Any, tj: dict, opts: ExportOptions,
-    name: str, tokenizer: str | None,
+    name: str, tokenizer: str | None, path: str,
 ) -> EngineManifest:
     import onnx
-    import optimum
     import torch
     import transformers
 
@@ -248,12 +284,9 @@ def _manifest(
     if opts.max_context:
         max_ctx = min(max_ctx, opts.max_context)
     heads = int(config.num_attention_heads)
-    try:
-        from importlib.metadata import version
-
-        optimum_version = version("optimum-onnx")
-    except Exception:
-        optimum_version = getattr(optimum, "__version__", "?")
+    # The builder leaves the head size symbolic in the graph's KV inputs.
+    head_dim = dims[3] or int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    tool = {"builder": "onnxruntime-genai", "optimum": "optimum-onnx"}[path]
     return EngineManifest(
         format_version=FORMAT_VERSION,
         name=name,
@@ -261,7 +294,7 @@ def _manifest(
         num_layers=n_layers,
         num_attention_heads=heads,
         num_kv_heads=dims[1],
-        head_dim=dims[3],
+        head_dim=head_dim,
         hidden_size=int(config.hidden_size),
         kv_dtype=kv_dtype,
         precision=opts.precision,
@@ -280,9 +313,11 @@ def _manifest(
         output_names=outputs,
         chat_template=_chat_template(tok, tokenizer),
         source=src,
+        kv_layout="shared" if path == "builder" else "concat",
+        export_path=path,
         exporter={
             "edge_sd": __version__,
-            "optimum_onnx": optimum_version,
+            tool.replace("-", "_"): _version(tool),
             "transformers": transformers.__version__,
             "torch": torch.__version__.split("+")[0],
             "onnx": onnx.__version__,
@@ -304,6 +339,15 @@ def run_validation(engine_dir: Path, hf_src: str, precision: str, drafter: bool 
             detail = json.loads(lines[-1]).get("error", detail)
         raise ExportError(f"validation of {engine_dir.name} failed: {detail}")
     return json.loads(lines[-1])
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
 
 
 def _short(e: Exception) -> str:

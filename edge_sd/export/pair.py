@@ -85,7 +85,9 @@ def _engine_summary(m: EngineManifest, folder: Path) -> dict:
     return {
         "name": m.name,
         "architecture": m.architecture,
+        "export_path": m.export_path,
         "precision": m.precision,
+        "min_step_positions": m.min_step_positions,
         "vocab": m.vocab_size,
         "logits_width": m.logits_width,
         "max_context": m.max_context,

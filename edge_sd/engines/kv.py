@@ -1,0 +1,117 @@
+"""The two KV-cache layouts an engine binds (manifest field `kv_layout`).
+
+Both take the engine's one IO binding and keep the cache on the engine's device. `ensure(total, keep)`
+makes room for `total` positions keeping the first `keep`; `bind_past(start)` binds what a call with
+`start` cached positions reads; `after_run(outputs)` takes what it wrote; `truncate(n)` drops all but
+the first n positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from edge_sd.manifest import EngineManifest
+
+
+def _layer_names(m: EngineManifest) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    past = [(m.past_key_template.format(i=i), m.past_value_template.format(i=i)) for i in range(m.num_layers)]
+    present = [(m.present_key_template.format(i=i), m.present_value_template.format(i=i))
+               for i in range(m.num_layers)]
+    return past, present
+
+
+class ConcatKV:
+    """optimum's layout: `present` is past plus the new positions, a fresh tensor every call.
+
+    Cutting back copies the kept positions (the only copy; it goes through host memory).
+    """
+
+    def __init__(self, m: EngineManifest, io: Any, device: str, dtype: type, capacity: int):
+        self.capacity = m.max_context
+        self._io = io
+        self._device = device
+        self._past, self._present = _layer_names(m)
+        empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), dtype=dtype)
+        self._empty = ort.OrtValue.ortvalue_from_numpy(empty, device)
+        self._cache: list[tuple[Any, Any]] = [(self._empty, self._empty)] * m.num_layers
+
+    def ensure(self, total: int, keep: int) -> None:
+        pass  # each call allocates its own present tensors
+
+    def bind_past(self, start: int) -> None:
+        for (k_name, v_name), (k, v) in zip(self._past, self._cache, strict=True):
+            self._io.bind_ortvalue_input(k_name, k)
+            self._io.bind_ortvalue_input(v_name, v)
+        for k_name, v_name in self._present:
+            self._io.bind_output(k_name, self._device)
+            self._io.bind_output(v_name, self._device)
+
+    def after_run(self, outputs: list) -> None:
+        self._cache = [(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(len(self._cache))]
+
+    def truncate(self, n: int) -> None:
+        if n == 0:
+            self._cache = [(self._empty, self._empty)] * len(self._cache)
+            return
+        self._cache = [
+            tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x.numpy()[:, :, :n]), self._device)
+                  for x in pair)
+            for pair in self._cache
+        ]
+
+
+class SharedKV:
+    """The model builder's layout: per layer one buffer of `capacity` positions, bound once as both
+    past and present. A call writes its new positions in place; the attention mask's length tells the
+    graph how many are valid, so cutting back costs nothing and never leaves the device.
+    """
+
+    def __init__(self, m: EngineManifest, io: Any, device: str, dtype: type, capacity: int):
+        self._m = m
+        self._io = io
+        self._device = device
+        self._dtype = dtype
+        self._past, self._present = _layer_names(m)
+        self._host: list[np.ndarray] = []  # CPU: the numpy arrays the OrtValues share memory with
+        self._values: list[Any] = []
+        self.capacity = 0
+        self._allocate(capacity, keep=0)
+
+    def _allocate(self, capacity: int, keep: int) -> None:
+        m = self._m
+        shape = (1, m.num_kv_heads, capacity, m.head_dim)
+        old = self._host if self._device == "cpu" else [v.numpy() for v in self._values]
+        host, values = [], []
+        for i, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
+            for j in range(2):
+                if self._device == "cpu" or keep:
+                    # np.zeros maps pages lazily: memory is committed only as positions are written.
+                    arr = np.zeros(shape, dtype=self._dtype)
+                    if keep:
+                        arr[:, :, :keep] = old[2 * i + j][:, :, :keep]
+                    value = ort.OrtValue.ortvalue_from_numpy(arr, self._device)
+                    if self._device == "cpu":
+                        host.append(arr)  # the OrtValue borrows this memory: keep it alive
+                else:
+                    value = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._dtype, self._device, 0)
+                values.append(value)
+                self._io.bind_ortvalue_input(past[j], value)
+                self._io.bind_ortvalue_output(present[j], value)
+        self._host, self._values, self.capacity = host, values, capacity
+
+    def ensure(self, total: int, keep: int) -> None:
+        if total > self.capacity:
+            # Doubling keeps the number of regrowths (each a copy) logarithmic in the length.
+            self._allocate(min(self._m.max_context, max(total, 2 * self.capacity)), keep)
+
+    def bind_past(self, start: int) -> None:
+        pass  # bound once, in _allocate
+
+    def after_run(self, outputs: list) -> None:
+        pass  # written in place
+
+    def truncate(self, n: int) -> None:
+        pass  # positions past n are simply not covered by the next call's attention mask

@@ -1,0 +1,80 @@
+"""Execution providers: which ones this onnxruntime build offers, and the options each one gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+from edge_sd.errors import ProviderError
+from edge_sd.manifest import EngineManifest
+
+PROVIDERS = {
+    "tensorrt": "TensorrtExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "cpu": "CPUExecutionProvider",
+}
+# `auto` tries these in order and takes every one that this onnxruntime build offers.
+AUTO_ORDER = ("tensorrt", "cuda", "cpu")
+# TensorRT builds an engine per shape profile; it is kept beside the model so that only the first
+# load on a device pays for the build (minutes on a Jetson).
+TRT_CACHE_DIR = "trt_cache"
+
+
+def available_providers() -> list[str]:
+    """Short names of the execution providers this onnxruntime build offers."""
+    have = set(ort.get_available_providers())
+    return [name for name, full in PROVIDERS.items() if full in have]
+
+
+def resolve_providers(provider: str) -> list[str]:
+    """ORT provider names for `auto|cpu|cuda|tensorrt`; an unavailable explicit choice is an error."""
+    have = available_providers()
+    if provider == "auto":
+        return [PROVIDERS[p] for p in AUTO_ORDER if p in have]
+    if provider not in PROVIDERS:
+        raise ProviderError(
+            f"unknown provider {provider!r}; choose one of auto, {', '.join(PROVIDERS)}"
+        )
+    if provider not in have:
+        raise ProviderError(
+            f"provider {provider!r} is not available in this onnxruntime build "
+            f"(available: {', '.join(have)}); install edge-sd[gpu] on a machine with a GPU"
+        )
+    # CUDA backs TensorRT for the nodes TensorRT cannot take (GroupQueryAttention is a contrib op);
+    # CPU stays last as the home of any node no accelerator can run.
+    chain = {"tensorrt": ["tensorrt", "cuda", "cpu"], "cuda": ["cuda", "cpu"], "cpu": ["cpu"]}[provider]
+    return [PROVIDERS[p] for p in chain if p in have or p == provider]
+
+
+def tensorrt_options(m: EngineManifest, folder: Path, capacity: int, max_rows: int) -> dict[str, Any]:
+    """TensorRT EP options: an engine cache in the artifact folder and one shape profile from the manifest.
+
+    capacity: KV positions the engine holds (the shared buffer's size, or the longest concat cache);
+    max_rows: the most positions one forward feeds (a prompt's prefill).
+    """
+    kv = [(m.past_key_template.format(i=i), m.past_value_template.format(i=i)) for i in range(m.num_layers)]
+
+    def shapes(rows: int, total: int, past: int) -> str:
+        dims = {"input_ids": f"1x{rows}", "attention_mask": f"1x{total}"}
+        if m.has_position_ids:
+            dims["position_ids"] = f"1x{rows}"
+        for names in kv:
+            for name in names:
+                dims[name] = f"1x{m.num_kv_heads}x{past}x{m.head_dim}"
+        return ",".join(f"{k}:{v}" for k, v in dims.items())
+
+    if m.kv_layout == "shared":  # the buffer never changes size; only the mask grows
+        lo, opt, hi = shapes(1, 1, capacity), shapes(1, 64, capacity), shapes(max_rows, capacity, capacity)
+    else:
+        lo, opt, hi = shapes(1, 1, 0), shapes(1, 64, 63), shapes(max_rows, capacity, capacity - 1)
+    return {
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": str(Path(folder) / TRT_CACHE_DIR),
+        "trt_timing_cache_enable": True,
+        "trt_fp16_enable": m.kv_dtype == "float16",
+        "trt_profile_min_shapes": lo,
+        "trt_profile_opt_shapes": opt,
+        "trt_profile_max_shapes": hi,
+    }

@@ -1,0 +1,100 @@
+"""The engine's two KV layouts, its re-feeding of short forwards, and the execution-provider options."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_sd.engines import providers
+from edge_sd.engines.ort import OrtEngine
+from edge_sd.errors import ProviderError
+from edge_sd.manifest import load_engine_manifest
+
+IDS = np.arange(5, 45)
+
+
+def steps(engine: OrtEngine, ids: np.ndarray) -> np.ndarray:
+    """Logits of every position after the first, fed one token at a time."""
+    engine.reset()
+    engine.forward(ids[:1])
+    return np.stack([engine.forward(ids[i : i + 1])[0] for i in range(1, len(ids))])
+
+
+def test_shared_cache_grows_without_losing_positions(tiny_root: Path) -> None:
+    """A shared buffer smaller than the generation doubles as needed and keeps what it held."""
+    folder = tiny_root / "engines" / "bl_llama"
+    small = OrtEngine(folder, provider="cpu", threads=2, capacity=4)
+    big = OrtEngine(folder, provider="cpu", threads=2)
+    assert small.manifest.kv_layout == "shared" and small.capacity == 4
+    got = steps(small, IDS)
+    assert small.capacity >= len(IDS) and small.capacity < 2 * len(IDS) + 8
+    np.testing.assert_array_equal(got, steps(big, IDS))
+
+
+@pytest.mark.parametrize("name", ["bl_llama", "sp_gemma", "bl_llama_opt"])
+def test_cut_back_and_refeed_gives_the_same_logits(tiny_root: Path, name: str) -> None:
+    """Rejected positions are dropped by cutting back; re-feeding other tokens there is as if fresh."""
+    engine = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2)
+    other = IDS.copy()
+    other[20:] += 7
+    engine.forward(IDS)
+    engine.truncate(20)
+    assert engine.n_cached == 20
+    after = engine.forward(other[20:])
+    engine.reset()
+    fresh = engine.forward(other)[20:]
+    if engine.manifest.kv_layout == "shared":  # same positions through the same kernels: exact
+        np.testing.assert_array_equal(after, fresh)
+    else:
+        np.testing.assert_allclose(after, fresh, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bl_llama", "sp_gemma"])
+def test_two_position_steps_are_exact(tiny_root: Path, name: str) -> None:
+    """With min_step_positions 2 a one-token step re-feeds the last cached token and equals, bit for
+    bit, the same position inside any longer forward; without it, the one-row kernel rounds otherwise."""
+    engine = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2)
+    assert engine.manifest.min_step_positions == 2
+    engine.reset()
+    full = engine.forward(IDS)[1:]
+    np.testing.assert_array_equal(steps(engine, IDS), full)
+    raw = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2, min_step_positions=1)
+    assert np.abs(steps(raw, IDS) - full).max() > 0.0  # what the re-feeding is for (measured at export)
+
+
+def test_resolve_providers(monkeypatch) -> None:
+    have = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(providers.ort, "get_available_providers", lambda: have)
+    assert providers.resolve_providers("tensorrt") == have
+    assert providers.resolve_providers("cuda") == have[1:]
+    assert providers.resolve_providers("auto") == have
+    monkeypatch.setattr(providers.ort, "get_available_providers", lambda: have[2:])
+    assert providers.resolve_providers("auto") == have[2:]
+    with pytest.raises(ProviderError, match="'cuda' is not available"):
+        providers.resolve_providers("cuda")
+    with pytest.raises(ProviderError, match="unknown provider 'npu'"):
+        providers.resolve_providers("npu")
+
+
+def test_tensorrt_options_from_the_manifest(tiny_root: Path) -> None:
+    m = load_engine_manifest(tiny_root / "engines" / "sp_gemma")  # shared layout, no position_ids
+    folder = tiny_root / "engines" / "sp_gemma"
+    kv = f"1x{m.num_kv_heads}x{{}}x{m.head_dim}"
+    opts = providers.tensorrt_options(m, folder, capacity=256, max_rows=64)
+    assert opts["trt_engine_cache_enable"] and opts["trt_engine_cache_path"] == str(folder / "trt_cache")
+    assert not opts["trt_fp16_enable"]
+    lo = dict(item.split(":") for item in opts["trt_profile_min_shapes"].split(","))
+    hi = dict(item.split(":") for item in opts["trt_profile_max_shapes"].split(","))
+    assert set(lo) == {"input_ids", "attention_mask"} | {n for n in m.input_names if n.startswith("past_")}
+    assert (lo["input_ids"], hi["input_ids"], hi["attention_mask"]) == ("1x1", "1x64", "1x256")
+    # The shared buffer never changes size.
+    assert lo["past_key_values.0.key"] == hi["past_key_values.0.key"] == kv.format(256)
+    concat = replace(m, kv_layout="concat", has_position_ids=True, kv_dtype="float16")
+    opts = providers.tensorrt_options(concat, folder, capacity=256, max_rows=64)
+    lo = dict(item.split(":") for item in opts["trt_profile_min_shapes"].split(","))
+    hi = dict(item.split(":") for item in opts["trt_profile_max_shapes"].split(","))
+    assert opts["trt_fp16_enable"] and hi["position_ids"] == "1x64"
+    assert (lo["past_key_values.0.value"], hi["past_key_values.0.value"]) == (kv.format(0), kv.format(255))
