@@ -267,7 +267,8 @@ def bench(
     folder: Path = typer.Argument(..., help="Pair folder from `edge-sd export`."),
     per_set: int = typer.Option(20, "--per-set", help="Prompts from each set (HumanEval code, Lee news)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
-    k: str = typer.Option("1-8", "-k", help="Draft lengths for edge-sd: a range (1-8) or a list (3,5)."),
+    k: str = typer.Option("1-8", "-k", help="Draft lengths for edge-sd: a range (1-8) or a list (3,5); "
+                          "with --engines one k [3]: forwards of k+1 positions are timed."),
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="edge-sd algorithms to run."),
     modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0) and/or sample (T=1)."),
     threads: int = typer.Option(2, "--threads", help="Threads for ONNX Runtime and torch."),
@@ -278,6 +279,8 @@ def bench(
     out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
     readme: Optional[Path] = typer.Option(None, "--readme", help="Also write the results into this README."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampling runs (prompt i uses seed+i)."),
+    engines: bool = typer.Option(False, "--engines", help="Benchmark the engines instead: ms per forward "
+                                 "of 1 and k+1 positions, cut-back, plain decoding against onnxruntime-genai."),
 ) -> None:
     """Benchmark a pair: plain decoding, every algorithm at every k, and transformers, side by side.
 
@@ -289,9 +292,13 @@ def bench(
       edge-sd bench engines/gemma3-270m_smollm2-135m --quick
 
       edge-sd bench engines/gemma3-270m_smollm2-135m --per-set 5 -k 1-8 -o benchmarks/results
+
+      edge-sd bench engines/gemma3-270m_smollm2-135m --engines --quick
     """
     import os
 
+    if engines:
+        return _bench_engines(folder, per_set, max_new_tokens, "3" if k == "1-8" else k, threads, quick, out_dir)
     with _errors():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -328,6 +335,45 @@ def bench(
         for mode in opts.modes:
             out.print(report.table(written["rows"], mode))
         err.print("wrote " + ", ".join(str(p) for p in written["files"]))
+
+
+def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, threads: int, quick: bool,
+                   out_dir: Path) -> None:
+    """`bench --engines`: the pair's target and drafter (or one engine folder) against onnxruntime-genai."""
+    import datetime
+    import os
+
+    with _errors():
+        from edge_sd.bench import engine_report, prompts
+        from edge_sd.bench.engines import EngineCase, EngineOptions, run
+        from edge_sd.bench.run import machine
+        from edge_sd.manifest import PAIR_FILE, load_pair_manifest
+
+        ks = _int_list(k, "-k")
+        if len(ks) != 1:
+            raise UsageError("--engines times one draft length: give -k as a single number (e.g. -k 3)")
+        if (folder / PAIR_FILE).is_file():
+            pm = load_pair_manifest(folder)
+            cases = [EngineCase("target", folder / pm.target),
+                     EngineCase("drafter", folder / pm.drafter, min_step=1)]  # as the pair runs it
+        else:
+            cases = [EngineCase(folder.name, folder)]
+        cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+        per_set, max_new_tokens, repeats = (1, 24, 5) if quick else (per_set, max_new_tokens, 20)
+        texts = [p.text for s in prompts.SETS for p in prompts.load(s, cache, per_set)]
+        opts = EngineOptions(cases=cases, prompts=texts, k=ks[0], new_tokens=max_new_tokens, repeats=repeats,
+                             threads=threads)
+        results = run(opts, progress=lambda msg: err.print(msg, highlight=False))
+        for c in results["cases"]:
+            c.pop("token_ids", None)
+        m = machine()
+        results.update(date=datetime.date.today().isoformat(),
+                       machine=f"{m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}",
+                       options={"context": opts.context, "k": opts.k, "repeats": repeats,
+                                "new_tokens": max_new_tokens, "prompts": len(texts), "threads": threads})
+        files = engine_report.write(results, out_dir, "edge-sd " + " ".join(sys.argv[1:]))
+        out.print(engine_report.speed_table(results["cases"], opts.k))
+        err.print("wrote " + ", ".join(str(p) for p in files))
 
 
 def main() -> None:

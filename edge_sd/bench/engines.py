@@ -31,6 +31,9 @@ class EngineCase:
     label: str
     folder: Path
     hf: Path | None = None  # fp32 HF folder of the same weights, for transformers
+    # Forwards of fewer positions than this re-feed cached ones (None: the manifest's). A drafter runs
+    # with 1 in a pair, since its forwards need not agree with each other.
+    min_step: int | None = None
 
 
 @dataclass
@@ -142,9 +145,11 @@ def run(opts: EngineOptions, progress: Callable[[str], None] = lambda s: None) -
     for case in opts.cases:
         progress(f"{case.label}: forwards")
         pipe = Pipeline.from_folder(case.folder, provider="cpu", threads=opts.threads)
+        if case.min_step is not None:
+            pipe.target.engine.min_step = case.min_step
         m = pipe.target.manifest
         row: dict = {"label": case.label, "name": m.name, "export_path": m.export_path, "precision": m.precision,
-                     "kv_layout": m.kv_layout, "min_step_positions": m.min_step_positions,
+                     "kv_layout": m.kv_layout, "min_step_positions": pipe.target.engine.min_step,
                      **time_forwards(pipe.target.engine, opts.context, opts.k, opts.repeats)}
         genai = None
         if opts.genai and (case.folder / "genai_config.json").is_file():
@@ -164,6 +169,8 @@ def run(opts: EngineOptions, progress: Callable[[str], None] = lambda s: None) -
             progress(f"{case.label}: decoding prompt {i + 1}/{len(opts.prompts)}")
             e = edge_decode(pipe, prompt, opts.new_tokens)
             runs["edge"].append(e)
+            if e["tokens"] < 2:
+                e["decode_s"] = max(e["decode_s"], 1e-9)
             if genai is not None:
                 runs["genai"].append(genai.decode(e["prompt_ids"], e["tokens"]))
             if model is not None:
@@ -178,10 +185,11 @@ def run(opts: EngineOptions, progress: Callable[[str], None] = lambda s: None) -
 
 def _decode_summary(runs: dict[str, list[dict]]) -> dict:
     def rate(rs: list[dict]) -> float:
-        return sum(r["tokens"] for r in rs) / sum(r["decode_s"] for r in rs)
+        return sum(r["tokens"] for r in rs) / max(1e-9, sum(r["decode_s"] for r in rs))
 
     edge = runs["edge"]
     row = {
+        "token_ids": [e["token_ids"] for e in edge],  # for output comparisons; not written out
         "decode_tok_s": rate(edge),
         "other_share": sum(r["other_s"] for r in edge) / sum(r["decode_s"] for r in edge),
         "prompts": len(edge),
@@ -190,9 +198,11 @@ def _decode_summary(runs: dict[str, list[dict]]) -> dict:
         rs = runs[key]
         if rs:
             row[f"{key}_tok_s"] = rate(rs)
-            # Per prompt: edge-sd's decode rate over the other runtime's, then the median.
+            # Per prompt: edge-sd's decode rate over the other runtime's, then the median (a prompt
+            # whose output ended at once, EOS first, has no rate).
             row[f"vs_{key}_median"] = statistics.median(
-                (e["tokens"] / e["decode_s"]) / (r["tokens"] / r["decode_s"]) for e, r in zip(edge, rs, strict=True))
+                (e["tokens"] / e["decode_s"]) / (r["tokens"] / r["decode_s"])
+                for e, r in zip(edge, rs, strict=True) if e["tokens"] > 1 and r["tokens"] > 1)
             row[f"{key}_same_tokens"] = sum(_same_prefix(e["token_ids"], r["token_ids"])
                                             for e, r in zip(edge, rs, strict=True))
     return row

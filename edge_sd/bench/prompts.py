@@ -88,6 +88,14 @@ def fetch(source: Source, cache: Path) -> Path:
     return dest
 
 
+def articles(cache: Path, count: int) -> list[str]:
+    """The first `count` news articles of the Lee corpus as plain text (for perplexity)."""
+    path = fetch(SOURCES["summarisation"], cache)
+    # The corpus is Latin-1 (its only non-ASCII byte is a pound sign); one article per line.
+    lines = [x.strip() for x in path.read_bytes().decode("latin-1").splitlines() if x.strip()]
+    return lines[:count]
+
+
 def load(name: str, cache: Path, count: int) -> list[Prompt]:
     """The first `count` prompts of a set (in the source's own order)."""
     if name not in SOURCES:
@@ -98,9 +106,8 @@ def load(name: str, cache: Path, count: int) -> list[Prompt]:
             rows = [json.loads(line) for line in f if line.strip()]
         prompts = [Prompt(name, r["task_id"], r["prompt"]) for r in rows]
     else:
-        # The corpus is Latin-1 (its only non-ASCII byte is a pound sign); one article per line.
-        lines = [x.strip() for x in path.read_bytes().decode("latin-1").splitlines() if x.strip()]
-        prompts = [Prompt(name, f"lee/{i}", SUMMARY_TEMPLATE.format(article=a)) for i, a in enumerate(lines)]
+        prompts = [Prompt(name, f"lee/{i}", SUMMARY_TEMPLATE.format(article=a))
+                   for i, a in enumerate(articles(cache, 10**6))]
     if count > len(prompts):
         raise UsageError(f"the {name} set has {len(prompts)} prompts; asked for {count}")
     return prompts[:count]

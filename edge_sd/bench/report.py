@@ -161,16 +161,17 @@ def write(results: dict, out: Path, command: str, readme: Path | None = None, na
     (out / f"{name}.md").write_text(markdown(results, rows, command, ".") + "\n")
     if readme is not None:
         rel = Path(os.path.relpath(out.resolve(), readme.resolve().parent))
-        _update_readme(readme, markdown(results, rows, command, rel.as_posix()))
+        update_readme(readme, markdown(results, rows, command, rel.as_posix()))
     return {"rows": rows, "files": [out / f"{name}.json", out / f"{name}.md", *images]}
 
 
-def _update_readme(readme: Path, text: str) -> None:
+def update_readme(readme: Path, text: str, start_marker: str = README_START, end_marker: str = README_END) -> None:
+    """Replace what lies between the two markers of a README with `text`."""
     doc = readme.read_text(encoding="utf-8")
-    start, end = doc.find(README_START), doc.find(README_END)
+    start, end = doc.find(start_marker), doc.find(end_marker)
     if start < 0 or end < start:
         from edge_sd.errors import UsageError
 
-        raise UsageError(f"{readme} has no {README_START} ... {README_END} section to write the results into")
-    doc = doc[: start + len(README_START)] + "\n" + text + "\n" + doc[end:]
+        raise UsageError(f"{readme} has no {start_marker} ... {end_marker} section to write the results into")
+    doc = doc[: start + len(start_marker)] + "\n" + text + "\n" + doc[end:]
     readme.write_text(doc, encoding="utf-8")
