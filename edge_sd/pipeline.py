@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,10 +13,11 @@ from edge_sd.algorithms import ALGORITHMS, DrafterState, MappedProposer, SLEMPro
 from edge_sd.algorithms.base import Proposer
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
-from edge_sd.loop import Decoder, LoopLimits
+from edge_sd.loop import Decoder, Emitted
 from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
 from edge_sd.sampling import SamplingConfig
 from edge_sd.stats import Stats
+from edge_sd.text_stream import TextStream
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
 # Settled by the real-pair benchmark (README, "Measured"): the fastest k of the algorithm `auto` picks,
@@ -170,7 +171,8 @@ class Pipeline:
             return None
         assert self.drafter is not None and self.maps is not None
         state = DrafterState(self.drafter.engine, self.drafter.vocab, drafter_ids)
-        width = self.target.manifest.logits_width
+        # Proposals cover the ids the target can emit: its logits, cut to its tokenizer (loop.Decoder).
+        width = min(self.target.manifest.logits_width, self.target.manifest.vocab_size)
         if algo == "standard":
             identity = np.arange(self.drafter.vocab.size, dtype=np.int64)
             return MappedProposer(state, identity, width, cfg, rng, self.target.vocab.eos_ids)
@@ -180,7 +182,8 @@ class Pipeline:
             return SLEMProposer(state, self.target.vocab, self.drafter.vocab.eos_ids)
         return SLRSProposer(state, self.target.vocab, self.maps.prefix, width, cfg, rng)
 
-    def stream_events(self, prompt: str, config: GenerationConfig | None = None) -> Iterator[Any]:
+    def stream_events(self, prompt: str,
+                      config: GenerationConfig | None = None) -> Generator[Emitted, None, GenerationResult]:
         """Yield one `Emitted` per round, then return the GenerationResult (generator return value)."""
         cfg = config or GenerationConfig()
         cfg.check()
@@ -214,13 +217,13 @@ class Pipeline:
             assert self.drafter is not None
             self.drafter.engine.reserve(len(d_ids) + 2 * (cfg.max_new_tokens + k) + 1)
         stats = Stats(algorithm=algo, lookahead=k if algo != "ar" else 0)
-        decoder = Decoder(self.target.engine, self.target.vocab, proposer, sampling, rng, k)
-        limits = LoopLimits(cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))
+        decoder = Decoder(self.target.engine, proposer, sampling, rng, k)
+        stream = TextStream(self.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))
         pieces = []
-        for event in decoder.run(ids, limits, stats):
+        for event in decoder.run(ids, stream, stats):
             pieces.append(event.text)
             yield event
-        return GenerationResult("".join(pieces), decoder.out_ids, stats, ids)
+        return GenerationResult("".join(pieces), stream.ids, stats, ids)
 
     def stream(self, prompt: str, config: GenerationConfig | None = None) -> Iterator[str]:
         """Yield text pieces as they become printable (never half a UTF-8 character)."""
@@ -239,7 +242,7 @@ class Pipeline:
 
 def _load_maps(folder: Path, pm: Any, target: _Side, drafter: _Side) -> tuple[VocabMaps, list[str]]:
     """Load the pair's vocabulary maps, rebuilding them (and saying so) when missing or stale."""
-    notes = []
+    notes: list[str] = []
     t_sha = sha256_file(folder / pm.target / target.manifest.tokenizer_file)
     d_sha = sha256_file(folder / pm.drafter / drafter.manifest.tokenizer_file)
     path = folder / pm.maps_file if pm.maps_file else None

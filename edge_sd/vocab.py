@@ -66,6 +66,11 @@ def _utf8_complete_end(data: bytes) -> int:
     return n if n - i >= need else i
 
 
+def is_continuation(data: bytes) -> bool:
+    """Whether `data` starts inside a UTF-8 character (with a continuation byte 10xxxxxx)."""
+    return bool(data) and (data[0] & 0xC0) == 0x80
+
+
 def utf8_complete(data: bytes) -> bytes:
     """`data` cut after its last complete UTF-8 character."""
     return data[: _utf8_complete_end(data)]

@@ -9,4 +9,5 @@ CACHE=${EDGE_SD_CACHE:-$HOME/.cache/edge-sd}
 export EDGE_SD_REAL_PAIR=${EDGE_SD_REAL_PAIR:-$CACHE/pairs/gemma3-270m_smollm2-135m}
 bash scripts/prepare_real_pair.sh "$EDGE_SD_REAL_PAIR" --hf
 .venv/bin/python -m ruff check edge_sd tests benchmarks
+.venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"

@@ -26,6 +26,9 @@ MODELS = {
 # architectures: GroupQueryAttention, a shared KV buffer); these also go through optimum (concat KV
 # layout), so that both layouts run every test that takes a pair.
 OPTIMUM_ENGINES = {"sp_gemma_opt": "sp_gemma", "bl2_qwen_opt": "bl2_qwen", "bl_llama_opt": "bl_llama"}
+# Copies with an LM head wider than the tokenizer (tiny.pad_vocabulary): the padding ids must never
+# be emitted nor drafted, and the output must be the unpadded model's.
+PADDED = {"bl_llama_padded": "bl_llama", "bl2_qwen_padded": "bl2_qwen"}
 # pair name -> (target, drafter)
 PAIRS = {
     "gemma_qwen": ("sp_gemma", "bl2_qwen"),  # SentencePiece-style target, byte-level drafter
@@ -37,6 +40,7 @@ PAIRS = {
     "llama_random": ("bl_llama", "bl2_random"),  # an untrained drafter
     "gemma_qwen_opt": ("sp_gemma_opt", "bl2_qwen_opt"),  # optimum's graphs on both sides
     "llama_qwen_mixed": ("bl_llama_opt", "bl2_qwen"),  # an optimum target, a builder drafter
+    "padded": ("bl_llama_padded", "bl2_qwen_padded"),  # padded LM heads on both sides
 }
 CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen", "gemma_qwen_opt", "llama_qwen_mixed")
 
@@ -70,7 +74,11 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         hf = root / "hf" / name
         if not hf.exists():
             tiny.build_model(hf, _tokenizer(kind), arch, seed, steps)
-    engines = {name: (name, "auto") for name in MODELS} | {e: (m, "optimum") for e, m in OPTIMUM_ENGINES.items()}
+    for name, src in PADDED.items():
+        if not (root / "hf" / name).exists():
+            tiny.pad_vocabulary(root / "hf" / src, root / "hf" / name, extra=40)
+    engines = {name: (name, "auto") for name in [*MODELS, *PADDED]}
+    engines |= {e: (m, "optimum") for e, m in OPTIMUM_ENGINES.items()}
     for name, (model, exporter) in engines.items():
         eng = root / "engines" / name
         if not eng.exists():

@@ -36,8 +36,9 @@ def plain_greedy(pipe: Pipeline, prompt_ids: list[int], n: int) -> tuple[list[in
     if len(prompt_ids) > 1:
         eng.forward(np.asarray(prompt_ids[:-1]))
     ids, gaps, last = [], [], prompt_ids[-1]
+    width = min(pipe.target.manifest.vocab_size, pipe.target.manifest.logits_width)  # no padding ids
     for _ in range(n):
-        row = eng.forward(np.asarray([last]))[0]
+        row = eng.forward(np.asarray([last]))[0][:width]
         top2 = np.sort(row)[-2:]
         gaps.append(float(top2[1] - top2[0]))
         last = int(np.argmax(row))
@@ -75,6 +76,11 @@ def is_exact(pipe: Pipeline) -> bool:
     return pipe.target.manifest.validation.get("max_rel_diff_steps_vs_forward") == 0.0
 
 
+def assert_text_is_the_ids(pipe: Pipeline, r) -> None:
+    """The text handed out is exactly the decoding of the returned ids (nothing held back or lost)."""
+    assert r.text == pipe.target.vocab.ids_bytes(r.token_ids).decode("utf-8", errors="replace"), r.token_ids
+
+
 @pytest.mark.parametrize("pair", CROSS_PAIRS)
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -85,6 +91,7 @@ def test_greedy_equals_plain(pipelines, references, pair: str, algo: str, k: int
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo, lookahead=k))
         plain, gaps = references[pair, prompt]
         assert_same_or_near_tie(r.token_ids, plain, gaps, f"{pair}/{algo}/k={k}/{prompt!r}", is_exact(pipe))
+        assert_text_is_the_ids(pipe, r)
         assert r.stats.target_forwards <= len(r.token_ids)
         proposed += r.stats.proposed
         accepted += r.stats.accepted
@@ -133,9 +140,10 @@ def test_random_drafter_accepts_almost_nothing(pipelines, references, algo: str)
 
 # --- sampling: the distribution of the first two generated tokens --------------------------------
 
-SAMPLES = 1500
+SAMPLES = 2000
 TOP_K = 4  # 16 possible (first, second) pairs: a distribution the sample count can pin down
 DELTA = 1e-3
+WARPS = {"T1-top4": SamplingConfig(1.0, top_k=TOP_K), "T0.7-top_p0.6": SamplingConfig(0.7, top_p=0.6)}
 
 
 def exact_two_token_distribution(pipe: Pipeline, prompt_ids: list[int], cfg: SamplingConfig) -> dict:
@@ -151,31 +159,86 @@ def exact_two_token_distribution(pipe: Pipeline, prompt_ids: list[int], cfg: Sam
     return out
 
 
-@pytest.mark.parametrize("pair,algo", [("gemma_qwen", "tli"), ("gemma_qwen", "slrs"), ("llama_sp2", "slem"),
-                                       ("llama_sp2", "slrs"), ("llama_same", "standard"),
-                                       ("gemma_qwen", "ar")])
-def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str) -> None:
-    pipe = pipelines[pair]
-    prompt = "A small robot"  # a context where these drafters are often right
-    ids = pipe.target.prompt_ids(prompt, False)
-    exact = exact_two_token_distribution(pipe, ids, SamplingConfig(1.0, top_k=TOP_K))
+def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "A small robot") -> tuple:
+    """(TV between sampled and exact first-two-token distributions, its bound, accepted candidates,
+    samples outside the exact support). Pairs outside the support count as one more category."""
+    ids = pipe.target.prompt_ids(prompt, False)  # a context where these drafters are often right
+    exact = exact_two_token_distribution(pipe, ids, cfg)
     counts: dict = {}
     accepted = 0
     for seed in range(SAMPLES):
         # Three tokens, so that two candidates are verified in the first round (k <= remaining - 1).
-        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=3, temperature=1.0, top_k=TOP_K, seed=seed,
-                                                   algorithm=algo, lookahead=3))
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=3, temperature=cfg.temperature, top_k=cfg.top_k,
+                                                   top_p=cfg.top_p, seed=seed, algorithm=algo, lookahead=3))
         key = tuple(r.token_ids[:2])
         counts[key] = counts.get(key, 0) + 1
         accepted += r.stats.accepted
-    assert set(counts) <= set(exact), "a token pair outside the target's top-k support was emitted"
     keys = list(exact)
-    emp = np.array([counts.get(k, 0) for k in keys], dtype=float) / SAMPLES
-    tv = 0.5 * float(np.abs(emp - np.array([exact[k] for k in keys])).sum())
-    bound = math.sqrt((len(keys) * math.log(2) + math.log(1 / DELTA)) / (2 * SAMPLES))
+    outside = SAMPLES - sum(counts.get(k, 0) for k in keys)
+    emp = np.array([counts.get(k, 0) for k in keys] + [outside], dtype=float) / SAMPLES
+    tv = 0.5 * float(np.abs(emp - np.array([exact[k] for k in keys] + [0.0])).sum())
+    bound = math.sqrt(((len(keys) + 1) * math.log(2) + math.log(1 / DELTA)) / (2 * SAMPLES))
+    return tv, bound, accepted, outside
+
+
+@pytest.mark.parametrize("pair,algo,warp_name", [
+    ("gemma_qwen", "tli", "T1-top4"), ("gemma_qwen", "slrs", "T1-top4"), ("llama_sp2", "slem", "T1-top4"),
+    ("llama_sp2", "slrs", "T1-top4"), ("llama_same", "standard", "T1-top4"), ("gemma_qwen", "ar", "T1-top4"),
+    ("gemma_qwen", "tli", "T0.7-top_p0.6"), ("llama_sp2", "slrs", "T0.7-top_p0.6"),
+    ("llama_sp2", "slem", "T0.7-top_p0.6"),
+])
+def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str, warp_name: str) -> None:
+    tv, bound, accepted, outside = two_token_tv(pipelines[pair], algo, WARPS[warp_name])
+    assert outside == 0, "a token pair outside the target's warped support was emitted"
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
     if algo != "ar":
         assert accepted > 0  # candidates were accepted, so the acceptance path was exercised
+
+
+def test_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -> None:
+    """Negative control: a verifier that accepts every draft emits the drafter's distribution, and the
+    same check fails it (so a pass above means something)."""
+    from edge_sd.algorithms import TLIProposer
+    from edge_sd.sampling import sample
+
+    def accept_all(cands, q, p, rng):
+        return len(cands), sample(p[len(cands)], rng)
+
+    monkeypatch.setattr(TLIProposer, "verifier", staticmethod(accept_all))
+    tv, bound, _, _ = two_token_tv(pipelines["gemma_qwen"], "tli", WARPS["T1-top4"])
+    assert tv > bound, f"a wrong verifier passed: TV {tv:.4f} < {bound:.4f}"
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_seeded_sampling_with_a_drafter_is_reproducible(pipelines, algo: str) -> None:
+    pipe = pipelines["gemma_qwen"]
+    runs = {}
+    for seed in (7, 7, 8):
+        cfg = GenerationConfig(max_new_tokens=20, temperature=1.0, seed=seed, algorithm=algo, lookahead=3)
+        r = pipe.generate("The old river sees the", cfg)
+        if seed in runs:
+            assert (r.token_ids, r.stats.accepted, r.stats.proposed) == runs[seed]
+        runs[seed] = (r.token_ids, r.stats.accepted, r.stats.proposed)
+    assert runs[7][0] != runs[8][0]  # the seed does matter
+
+
+def test_padded_heads_never_emit_padding(pipelines, references) -> None:
+    """LM heads 40 rows wider than the tokenizers, whose padding logits beat real ones: no padding id
+    is emitted or drafted, and greedy decoding gives the unpadded target's output."""
+    pipe = pipelines["padded"]
+    for m in (pipe.target.manifest, pipe.drafter.manifest):
+        assert m.logits_width == m.vocab_size + 40
+    for prompt in PROMPTS[:8]:
+        plain, gaps = references["llama_qwen", prompt]  # the same target weights, unpadded
+        for algo in ("ar", *ALGOS):
+            r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo, lookahead=3))
+            assert_same_or_near_tie(r.token_ids, plain, gaps, f"padded/{algo}/{prompt!r}")
+            assert_text_is_the_ids(pipe, r)
+            for seed in range(3):
+                r = pipe.generate(prompt, GenerationConfig(max_new_tokens=12, temperature=1.0, seed=seed,
+                                                           algorithm=algo, lookahead=3))
+                assert max(r.token_ids, default=0) < pipe.target.manifest.vocab_size
+                assert_text_is_the_ids(pipe, r)
 
 
 # --- edge cases ---------------------------------------------------------------------------------
@@ -202,7 +265,9 @@ def _compare(pipe: Pipeline, prompts, algos=("slem", "tli", "slrs"), k=5, **cfg)
             r = pipe.generate(prompt, GenerationConfig(algorithm=algo, lookahead=k, **cfg))
             assert r.token_ids == plain.token_ids and r.text == plain.text, (algo, prompt)
             assert r.stats.stop_reason == plain.stats.stop_reason, (algo, prompt)
+            assert_text_is_the_ids(pipe, r)
             results.append((plain, r))
+        assert_text_is_the_ids(pipe, plain)
     return results
 
 
@@ -223,11 +288,61 @@ def test_eos_from_target_and_drafter(tiny_root: Path, tmp_path: Path) -> None:
     assert all(not eos & set(r.token_ids) for _, r in results)
 
 
-def test_stop_strings_spanning_rounds(pipelines) -> None:
+def expected_stop(pipe: Pipeline, reference: list[int], stops: tuple[bytes, ...]) -> list[int] | None:
+    """Plain decoding's output under stop strings, from its output without them: up to and including
+    the first token whose bytes complete one (None: no stop string occurs)."""
+    text = b""
+    for i, t in enumerate(reference):
+        text += pipe.target.vocab.token_bytes[t] or b""
+        if any(s in text for s in stops):
+            return reference[: i + 1]
+    return None
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_stop_strings_spanning_rounds(pipelines, references, k: int) -> None:
+    """Exact expected ids, text and stop reason, worked out from plain decoding without stop strings."""
     pipe = pipelines["llama_sp2"]
-    results = _compare(pipe, PROMPTS[:10], max_new_tokens=40, stop=("s the", "\n"))
-    stopped = [r for _, r in results if r.stats.stop_reason == "stop"]
-    assert stopped and all("s the" not in r.text and "\n" not in r.text for r in stopped)
+    stops = ("s the", "\n")
+    stopped = 0
+    for prompt in PROMPTS[:10]:
+        expected = expected_stop(pipe, references["llama_sp2", prompt][0], tuple(s.encode() for s in stops))
+        for algo in ("ar", "slem", "tli", "slrs"):
+            r = pipe.generate(prompt, GenerationConfig(algorithm=algo, lookahead=k, max_new_tokens=NEW_TOKENS,
+                                                       stop=stops))
+            assert_text_is_the_ids(pipe, r)
+            if expected is None:
+                assert r.stats.stop_reason in ("max_new_tokens", "eos"), (algo, prompt)
+                continue
+            assert (r.token_ids, r.stats.stop_reason) == (expected, "stop"), (algo, prompt)
+            # The stop string ends inside the last token's bytes: the text ends there, not earlier.
+            assert any(s in r.text for s in stops) and not any(s in pipe.target.vocab.ids_bytes(
+                expected[:-1]).decode("utf-8", "replace") for s in stops), (algo, prompt)
+            stopped += 1
+    assert stopped >= 8  # the check ran, across several prompts and algorithms
+
+
+@pytest.mark.parametrize("algo", ("standard", "slem", "tli", "slrs"))
+def test_stop_string_and_eos_in_one_round(tiny_root: Path, tmp_path: Path, pipelines, references,
+                                          algo: str) -> None:
+    """A round whose accepted tokens complete a stop string and then reach EOS: plain decoding stops at
+    the stop string (reason `stop`), so speculative decoding must too. The drafter is the target itself
+    (every draft accepted), EOS is made of a token plain decoding emits, and the stop string is the
+    text of the two tokens just before it; k from 1 to 8 puts them in one round at some k."""
+    ref = references["llama_self", "The cat"][0]
+    t = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    eos_token = ref[t]
+    stop = pipelines["llama_self"].target.vocab.ids_bytes(ref[t - 2 : t]).decode()
+    def edit(folder: Path) -> None:  # both sides, so that they stay one vocabulary
+        for role in ("target", "drafter"):
+            _set(folder, role, eos_token_ids=[1, eos_token])
+
+    pipe = _edited_pair(tiny_root, tmp_path, "llama_self", edit)
+    plain = pipe.generate("The cat", GenerationConfig(algorithm="ar", max_new_tokens=40, stop=(stop,)))
+    assert plain.stats.stop_reason == "stop" and plain.token_ids == ref[:t]
+    for k in range(1, 9):
+        r = pipe.generate("The cat", GenerationConfig(algorithm=algo, lookahead=k, max_new_tokens=40, stop=(stop,)))
+        assert (r.token_ids, r.text, r.stats.stop_reason) == (plain.token_ids, plain.text, "stop"), k
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 11])

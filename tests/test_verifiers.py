@@ -90,7 +90,7 @@ def test_exact_match_rule_emits_p() -> None:
     p = dists(4, 2)
 
     def run(rng):
-        a, nxt = verify_exact([2], p, rng)  # any candidate: the target's own draw decides
+        a, nxt = verify_exact([2], None, p, rng)  # any candidate: the target's own draw decides
         return 2 if a == 1 else nxt
 
     assert tv(first_tokens(run), p[0]) < tv_bound(V)
@@ -147,7 +147,7 @@ def test_greedy_rule_agrees_with_general_rule_on_one_hot() -> None:
         q = np.zeros((3, V))
         q[np.arange(3), cands] = 1.0
         assert verify_greedy(cands, logits) == verify_standard(cands, q, p, rng)
-        assert verify_greedy(cands, logits) == verify_exact(cands, p, rng)
+        assert verify_greedy(cands, logits) == verify_exact(cands, None, p, rng)
 
 
 def test_warp_top_k_top_p_and_residual() -> None:

@@ -157,3 +157,25 @@ def _make(arch: str, vocab: int):
             num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
             layer_types=layer_types, **{**common, "num_hidden_layers": len(layer_types)}))
     raise ValueError(arch)
+
+
+def pad_vocabulary(src: Path, dest: Path, extra: int) -> Path:
+    """A copy of an HF folder whose LM head is `extra` rows wider than its tokenizer (Qwen-style
+    padded heads), the padding rows 1.5x copies of real ones: wherever a real token has a positive
+    logit its padding twin has a larger one, so any code that lets a padding id compete picks it."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    n = model.config.vocab_size
+    model.resize_token_embeddings(n + extra, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[n:] = 1.5 * head[:extra]
+    model.save_pretrained(dest)
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, dest / f.name)
+    return dest

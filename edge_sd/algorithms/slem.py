@@ -7,12 +7,14 @@ import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState
 from edge_sd.sampling import sample
-from edge_sd.vocab import WINDOW_TOKENS, Vocab, _utf8_complete_end
+from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
 
-def verify_exact(candidates: list[int], p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+def verify_exact(candidates: list[int], q: np.ndarray | None, p: np.ndarray,
+                 rng: np.random.Generator) -> tuple[int, int]:
     """Draw the target's own token z_j ~ p_j at each position; accept while z_j == c_j, emit z_j at
-    the first mismatch (or z_{m+1}). p: [m+1, V]. Returns (accepted, next token)."""
+    the first mismatch (or z_{m+1}). p: [m+1, V]; q is not used (the target's own draws decide).
+    Returns (accepted, next token)."""
     for i, c in enumerate(candidates):
         z = sample(p[i], rng)
         if z != c:
@@ -29,7 +31,7 @@ def target_tail(vocab: Vocab, committed: list[int]) -> list[int]:
             break
         tail.append(t)
     tail.reverse()
-    while tail and (vocab.token_bytes[tail[0]] or b"\0")[0] & 0xC0 == 0x80:
+    while tail and is_continuation(vocab.token_bytes[tail[0]] or b""):
         tail.pop(0)
     return tail
 
@@ -43,13 +45,13 @@ def retokenize(vocab: Vocab, committed: list[int], text: bytes, k: int) -> list[
     tail = target_tail(vocab, committed)
     tail_bytes = vocab.ids_bytes(tail)
     joined = tail_bytes + text
-    joined = joined[: _utf8_complete_end(joined)]
+    joined = utf8_complete(joined)
     if len(joined) > len(tail_bytes):
         ids = vocab.encode_bytes(joined)
         if ids is not None and ids[: len(tail)] == tail:
             return ids[len(tail) :][:k]
-    text = text[: _utf8_complete_end(text)]
-    if not text or (text[0] & 0xC0) == 0x80:
+    text = utf8_complete(text)
+    if not text or is_continuation(text):
         return []
     ids = vocab.encode_bytes(text)
     return (ids or [])[:k]
@@ -59,6 +61,7 @@ class SLEMProposer:
     """Greedy drafting (it matches the target best), then target re-tokenization of the text."""
 
     name = "slem"
+    verifier = staticmethod(verify_exact)
 
     def __init__(self, drafter: DrafterState, target_vocab: Vocab, drafter_eos: list[int]):
         self.drafter = drafter
@@ -66,9 +69,7 @@ class SLEMProposer:
         self.drafter_eos = set(drafter_eos)
 
     def propose(self, k: int, committed: list[int]) -> Draft:
-        k = min(k, self.drafter.room())
-        if k <= 0 or self.drafter.lagging:
-            return Draft([], None)
+        k = self.drafter.budget(k)
         text = b""
         for _ in range(k):
             d = int(np.argmax(self.drafter.next_logits()))

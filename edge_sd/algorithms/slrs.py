@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.algorithms.base import Draft, DrafterState, scatter_to_targets
+from edge_sd.algorithms.standard import verify_standard
 from edge_sd.sampling import SamplingConfig, sample, warp
 from edge_sd.vocab import Vocab, longest_prefix_token
 
 
 class SLRSProposer:
     name = "slrs"
+    verifier = staticmethod(verify_standard)  # leftovers are point masses: psi rows like any proposal
 
     def __init__(self, drafter: DrafterState, target_vocab: Vocab, prefix_map: np.ndarray,
                  target_width: int, cfg: SamplingConfig, rng: np.random.Generator):
         self.drafter = drafter
         self.prefix = prefix_map  # [V_d] g(d), or -1 when no target token is a prefix of bytes(d)
-        self.has_prefix = prefix_map >= 0
         self.target_width = target_width
         self.cfg = cfg
         self.rng = rng
@@ -32,9 +33,7 @@ class SLRSProposer:
         self.max_len = target_vocab.max_token_len
 
     def propose(self, k: int, committed: list[int]) -> Draft:
-        room = self.drafter.room()
-        if k <= 0 or room <= 0 or self.drafter.lagging:
-            return Draft([], None)
+        room = self.drafter.budget(k)  # drafter tokens; leftovers cost none
         cands: list[int] = []
         rows: list[np.ndarray] = []
         leftover = b""
@@ -50,11 +49,9 @@ class SLRSProposer:
                 if drafted >= room:
                     break
                 logits = self.drafter.next_logits()  # [V_d]
-                width = min(len(logits), len(self.prefix))
-                q = warp(logits[:width], self.cfg)
+                q = warp(logits, self.cfg)
                 d = int(np.argmax(q)) if self.cfg.greedy else sample(q, self.rng)
-                idx = np.nonzero(q * self.has_prefix[:width])[0]
-                np.add.at(row, self.prefix[idx], q[idx])  # psi(t) = sum of q(d) over g(d) = t
+                row = scatter_to_targets(q, self.prefix, self.target_width)  # psi(t) = sum of q(d), g(d) = t
                 t = int(self.prefix[d])
                 self.drafter.push(d)
                 drafted += 1

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.algorithms.base import Draft, DrafterState, scatter_to_targets
 from edge_sd.sampling import SamplingConfig, residual, sample, warp
 
 
 def verify_standard(
-    candidates: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator
+    candidates: list[int], q: np.ndarray | None, p: np.ndarray, rng: np.random.Generator
 ) -> tuple[int, int]:
     """Accept c_i with probability min(1, p_i(c_i) / q_i(c_i)); at the first rejection emit a sample of
     norm(max(0, p_i - q_i)); if all pass, a sample of p_{m+1}.
@@ -18,6 +18,7 @@ def verify_standard(
     q: [m, V] proposal distributions; p: [m+1, V] target distributions. Returns (accepted, next token).
     """
     for i, c in enumerate(candidates):
+        assert q is not None
         if c >= 0 and q[i, c] > 0.0:
             ratio = p[i, c] / q[i, c]
             if ratio >= 1.0 or rng.random() < ratio:
@@ -44,6 +45,7 @@ class MappedProposer:
     map is the identity). q' is the drafter's warped distribution restricted to mapped ids."""
 
     name = "standard"
+    verifier = staticmethod(verify_standard)
 
     def __init__(self, drafter: DrafterState, token_map: np.ndarray, target_width: int,
                  cfg: SamplingConfig, rng: np.random.Generator, eos_ids: list[int]):
@@ -56,12 +58,9 @@ class MappedProposer:
         self.eos = set(eos_ids)
 
     def propose(self, k: int, committed: list[int]) -> Draft:
-        k = min(k, self.drafter.room())
-        if k <= 0 or self.drafter.lagging:
-            return Draft([], None)
         cands: list[int] = []
         rows: list[np.ndarray] = []
-        for _ in range(k):
+        for _ in range(self.drafter.budget(k)):
             logits = self.drafter.next_logits()  # [V_d]
             width = min(len(logits), len(self.map))
             if self.cfg.greedy:
@@ -78,12 +77,9 @@ class MappedProposer:
                     break
                 qd /= mass
                 d = sample(qd, self.rng)
-            row = np.zeros(self.target_width)
-            idx = np.nonzero(qd)[0]
-            np.add.at(row, self.map[idx], qd[idx])  # two drafter ids on one target id add up
             t = int(self.map[d])
             cands.append(t)
-            rows.append(row)
+            rows.append(scatter_to_targets(qd, self.map, self.target_width))
             self.drafter.push(d)
             if t in self.eos:
                 break

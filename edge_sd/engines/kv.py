@@ -34,7 +34,7 @@ class ConcatKV:
         self._io = io
         self._device = device
         self._past, self._present = _layer_names(m)
-        empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), dtype=dtype)
+        empty: np.ndarray = np.zeros((1, m.num_kv_heads, 0, m.head_dim), dtype=dtype)
         self._empty = ort.OrtValue.ortvalue_from_numpy(empty, device)
         self._cache: list[tuple[Any, Any]] = [(self._empty, self._empty)] * m.num_layers
 
@@ -89,7 +89,7 @@ class SharedKV:
             for j in range(2):
                 if self._device == "cpu" or keep:
                     # np.zeros maps pages lazily: memory is committed only as positions are written.
-                    arr = np.zeros(shape, dtype=self._dtype)
+                    arr: np.ndarray = np.zeros(shape, dtype=self._dtype)
                     if keep:
                         arr[:, :, :keep] = old[2 * i + j][:, :, :keep]
                     value = ort.OrtValue.ortvalue_from_numpy(arr, self._device)
