@@ -3,11 +3,12 @@ pair's two models, side by side with onnxruntime-genai's generator and transform
 
     bash scripts/real_pair.sh                 # once: installs, exports engines/gemma3-270m_smollm2-135m
     bash scripts/prepare_real_pair.sh engines/gemma3-270m_smollm2-135m --hf   # + fp32 HF folders
-    .venv/bin/python benchmarks/engines.py [--quick] [--no-memory]
+    .venv/bin/python benchmarks/engines.py [--quick] [--no-memory] [--llama-bench PATH]
 
 Exports the variants it lacks into engines/variants/ (a few minutes each, once), then measures them
 in one process (memory in a fresh process per engine) and writes benchmarks/results/engines.{md,json},
-engines.png and the README's engine section (not with --quick).
+engines.png and the README's engine section (not with --quick). --llama-bench names a llama.cpp
+`llama-bench` binary you built: it decodes the GGUF the target came from, for one more line.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, 5 repeats; no README")
     ap.add_argument("--no-memory", action="store_true", help="skip the 2048-token memory runs")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-bench", type=Path, default=None, help="a llama.cpp llama-bench binary")
     args = ap.parse_args()
 
     from edge_sd.bench import engine_report, prompts
@@ -107,6 +109,9 @@ def main() -> None:
             by_label[label]["memory"] = json.loads(proc.stdout.strip().splitlines()[-1])
     for c in results["cases"]:
         c.pop("token_ids", None)
+    if args.llama_bench:
+        results["llama_cpp"] = llama_cpp(args.llama_bench, CACHE / "real" / "gemma-3-270m-q4_k_m.gguf", tokens,
+                                         args.threads)
     m = machine()
     results.update(
         date=datetime.date.today().isoformat(),
@@ -120,6 +125,15 @@ def main() -> None:
     print(engine_report.speed_table(results["cases"], opts.k))
     print(engine_report.quality_table(results["cases"]))
     print("wrote " + ", ".join(map(str, files)), file=sys.stderr)
+
+
+def llama_cpp(binary: Path, gguf: Path, tokens: int, threads: int) -> dict:
+    """llama.cpp's own benchmark decoding `tokens` tokens of the GGUF (no prompt), 3 repetitions."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "3", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    (row,) = json.loads(proc.stdout)
+    return {"model": gguf.name, "tok_s": row["avg_ts"], "stddev_tok_s": row["stddev_ts"],
+            "build_commit": row.get("build_commit"), "threads": threads, "tokens": tokens}
 
 
 if __name__ == "__main__":

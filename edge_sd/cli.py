@@ -145,7 +145,11 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs."),
     lookahead: Optional[int] = typer.Option(
-        None, "--lookahead", "-k", help="Drafted tokens per target forward [2 greedy, 1 sampling]."),
+        None, "--lookahead", "-k", help="Drafted tokens per target forward [2 greedy, 1 sampling]; with the "
+        "cost schedule the longest draft [6]."),
+    schedule: Optional[str] = typer.Option(
+        None, "--lookahead-schedule", "-s", help="static | heuristic | cost [cost with -a auto, which also "
+        "picks the algorithm each round; static otherwise]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
@@ -168,7 +172,7 @@ def generate(
         text = _read_prompt(prompt, prompt_file)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=tuple(stop), chat=chat, algorithm=algorithm, lookahead=lookahead,
+            seed=seed, stop=tuple(stop), chat=chat, algorithm=algorithm, lookahead=lookahead, schedule=schedule,
         )
         cfg.check()
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
@@ -251,6 +255,51 @@ def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engin
             )
 
 
+@app.command()
+def calibrate(
+    folder: Path = typer.Argument(..., help="Pair folder from `edge-sd export`."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts: .jsonl with a \"text\" "
+                                           "field, or one prompt per line [the registry prompt sets]."),
+    per_set: int = typer.Option(10, "--per-set", help="Without --prompts: the first N of each prompt set."),
+    k: int = typer.Option(6, "-k", help="Draft this many tokens per round while recording (the longest draft)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
+    algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="Algorithms to record."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy drafting and verification."),
+    threads: Optional[int] = typer.Option(2, "--threads", help="Intra-op threads per engine."),
+) -> None:
+    """Fit DISCO's classifier (when to stop a draft) on runs of this pair, into <pair>/disco.json.
+
+    `--lookahead-schedule disco` then uses it, and `auto` stops its drafts with it.
+
+    Examples:
+
+      edge-sd calibrate engines/gemma3-270m_smollm2-135m --per-set 10
+
+      edge-sd calibrate engines/pair --prompts my-prompts.jsonl -k 8
+    """
+    import os
+
+    with _errors():
+        from edge_sd.bench import prompts as prompt_sets
+        from edge_sd.calibrate import calibrate as run_calibration
+        from edge_sd.calibrate import read_prompts
+        from edge_sd.pipeline import Pipeline
+
+        if prompts is not None:
+            texts = read_prompts(prompts)
+        else:
+            cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+            texts = [p.text for s in prompt_sets.SETS for p in prompt_sets.load(s, cache, per_set)]
+        pipe = Pipeline.from_folder(folder, threads=threads)
+        algos = tuple(a for a in algorithms.split(",") if a)
+        for a in algos:
+            if a not in ("standard", "slem", "tli", "slrs"):
+                raise UsageError(f"unknown algorithm {a!r}")
+        found = run_calibration(pipe, folder, texts, algos, k, max_new_tokens, temperature,
+                                progress=lambda msg: err.print(msg, highlight=False))
+        out.print_json(data=found)
+
+
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
     """'1-8' or '3,5' -> (1, ..., 8) / (3, 5)."""
     try:
@@ -279,6 +328,11 @@ def bench(
     out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
     readme: Optional[Path] = typer.Option(None, "--readme", help="Also write the results into this README."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampling runs (prompt i uses seed+i)."),
+    schedules: str = typer.Option("", "--schedules", help="Also these lookahead schedules (heuristic, cost) "
+                                  "for each algorithm at the first k."),
+    no_auto: bool = typer.Option(False, "--no-auto", help="Skip edge-sd's auto (cost-aware) rows."),
+    skip: int = typer.Option(0, "--skip", help="Start each prompt set after this many prompts (held-out "
+                             "prompts after `edge-sd calibrate --per-set N`: --skip N)."),
     engines: bool = typer.Option(False, "--engines", help="Benchmark the engines instead: ms per forward "
                                  "of 1 and k+1 positions, cut-back, plain decoding against onnxruntime-genai."),
 ) -> None:
@@ -311,6 +365,7 @@ def bench(
             ks=_int_list(k, "-k"), algorithms=tuple(a for a in algorithms.split(",") if a),
             modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=not no_transformers,
             hf_dir=hf_dir or cache / "real" / "hf", hf_ks=_int_list(hf_k, "--hf-k"), seed=seed,
+            auto=not no_auto, schedules=tuple(x for x in schedules.split(",") if x), skip=skip,
         )
         if quick:
             opts = replace(opts, per_set=2, max_new_tokens=24, ks=(3,), hf_ks=(3,))

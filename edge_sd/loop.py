@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_sd.algorithms.base import Proposer
+from edge_sd.algorithms.base import DrafterState
 from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
+from edge_sd.lookahead import Schedule, StaticSchedule
 from edge_sd.sampling import SamplingConfig, warp
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
@@ -30,18 +31,19 @@ class Emitted:
 
 
 class Decoder:
-    """Owns the target engine and the committed ids; drives an optional proposer.
+    """Owns the target engine and the committed ids; each round asks the schedule which proposer
+    drafts how many tokens (none: a plain step). Without a drafter it is plain decoding.
 
     The target's KV cache always holds the committed sequence except its last token x_n.
     """
 
-    def __init__(self, target: Engine, proposer: Proposer | None, cfg: SamplingConfig,
-                 rng: np.random.Generator, lookahead: int):
+    def __init__(self, target: Engine, cfg: SamplingConfig, rng: np.random.Generator,
+                 schedule: Schedule | None = None, drafter: DrafterState | None = None):
         self.target = target
-        self.proposer = proposer
         self.cfg = cfg
         self.rng = rng
-        self.lookahead = lookahead if proposer is not None else 0
+        self.schedule = schedule or StaticSchedule(None, 0)
+        self.drafter = drafter  # the state every proposer drafts from, synced after each round
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
         self.width = min(target.manifest.logits_width, target.manifest.vocab_size)
 
@@ -58,34 +60,36 @@ class Decoder:
             # Never draft past what may be emitted (the round emits one token of its own) nor past
             # the context; nor while the cache is empty (a one-token prompt): that forward has a
             # single position with nothing to re-feed, so plain decoding takes it alone too.
-            m = min(self.lookahead, stream.remaining - 1, max_ctx - n) if target.n_cached else 0
-            draft = self.proposer.propose(m, committed) if (self.proposer and m > 0) else None
+            plan = self.schedule.plan(min(stream.remaining - 1, max_ctx - n) if target.n_cached else 0)
+            start = time.perf_counter()
+            draft = plan.proposer.propose(plan.m, committed) if (plan.proposer and plan.m > 0) else None
+            draft_s = time.perf_counter() - start
             # -1 is a proposal with no target id (never accepted); so is an id past the logits.
-            cands = [c if c < self.width else -1 for c in draft.candidates[:m]] if draft else []
+            cands = [c if c < self.width else -1 for c in draft.candidates[: plan.m]] if draft else []
             start = time.perf_counter()
             logits = target.forward(np.asarray([committed[-1]] + [max(c, 0) for c in cands]))[:, : self.width]
-            stats.time_target_s += time.perf_counter() - start  # logits: [m+1, V]
-            stats.target_forwards += 1
+            target_s = time.perf_counter() - start  # logits: [m+1, V]
             if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
                 a, nxt = verify_greedy(cands, logits)
             else:
-                verify = self.proposer.verifier if (self.proposer and cands) else verify_standard
+                verify = plan.proposer.verifier if (plan.proposer and cands) else verify_standard
                 q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
                 a, nxt = verify(cands, q, warp(logits, self.cfg), self.rng)
-            stats.proposed += len(cands)
-            stats.accepted += a
             target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
+            self.schedule.observe(plan, len(cands), a, target_s, draft_s, len(stream.vocab.ids_bytes(cands[:a])))
+            stats.count_round(len(cands), a, target_s)
             new, text = stream.push(cands[:a] + [nxt])
             committed += new
             if new or text:
                 yield Emitted(new, text)
-            if self.proposer is not None and not stream.done:
-                self.proposer.sync(stream.generated)
+            if self.drafter is not None and not stream.done:
+                self.drafter.sync(stream.generated)
         tail = stream.finish("context")
         if tail:
             yield Emitted([], tail)
         stats.stop_reason = stream.reason
         stats.new_tokens = len(stream.ids)
+        stats.schedule = self.schedule.summary()
         drafter_time, drafter_calls = self._drafter_counters()
         stats.time_drafter_s = drafter_time - drafter_time0
         stats.drafter_forwards = drafter_calls - drafter_calls0
@@ -102,5 +106,5 @@ class Decoder:
 
     def _drafter_counters(self) -> tuple[float, int]:
         """The drafter engine's running forward time and count (0 without a drafter)."""
-        engine = getattr(getattr(self.proposer, "drafter", None), "engine", None)
+        engine = self.drafter.engine if self.drafter is not None else None
         return getattr(engine, "forward_time", 0.0), getattr(engine, "forward_count", 0)

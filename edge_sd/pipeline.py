@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,10 @@ import numpy as np
 
 from edge_sd.algorithms import ALGORITHMS, DrafterState, MappedProposer, SLEMProposer, SLRSProposer, TLIProposer
 from edge_sd.algorithms.base import Proposer
+from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
+from edge_sd.lookahead import CostSchedule, DiscoSchedule, HeuristicSchedule, Schedule, StaticSchedule
 from edge_sd.loop import Decoder, Emitted
 from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
 from edge_sd.sampling import SamplingConfig
@@ -24,6 +27,13 @@ from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 # greedy (SLEM) at k=2, sampling (SLRS) at k=1. Drafting costs about half a target step on the CPU
 # machines, so longer drafts lose more to drafting than they win in accepted tokens.
 DEFAULT_LOOKAHEAD = {"greedy": 2, "sample": 1}
+# The cost-aware schedule (auto) chooses each round's draft length in 0..this (or -k).
+DEFAULT_MAX_LOOKAHEAD = 6
+SCHEDULES = ("static", "heuristic", "cost", "disco")
+# The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
+# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS.
+CALIBRATION_CONTEXT = 64
+CALIBRATION_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,12 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     chat: bool = False
     algorithm: str = "auto"
-    lookahead: int | None = None  # None: DEFAULT_LOOKAHEAD for greedy or sampling
+    # static / heuristic: the (first) draft length [DEFAULT_LOOKAHEAD]; cost: the longest draft
+    # [DEFAULT_MAX_LOOKAHEAD]
+    lookahead: int | None = None
+    # None: cost for auto (which picks the algorithm too; with DISCO on top when the pair folder holds
+    # a calibrated disco.json), static for a named algorithm
+    schedule: str | None = None
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -55,6 +70,8 @@ class GenerationConfig:
             raise UsageError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         if any(not s for s in self.stop):
             raise UsageError("stop strings must not be empty")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise UsageError(f"unknown lookahead schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
 @dataclass
@@ -128,6 +145,8 @@ class Pipeline:
         self.maps = maps
         self.same_vocab = same_vocab
         self.notes = notes or []
+        self._costs: tuple[dict[int, float], float] | None = None  # calibrated by costs()
+        self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
 
     @classmethod
     def from_folder(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
@@ -141,21 +160,18 @@ class Pipeline:
             target = _Side(folder / pm.target, provider, threads, verify, spin=False)
             drafter = _Side(folder / pm.drafter, provider, threads, verify, spin=False, drafter=True)
             maps, notes = _load_maps(folder, pm, target, drafter)
-            return cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
+            pipe = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
+            pipe.disco = DiscoModel.load(folder)
+            return pipe
         if (folder / ENGINE_FILE).is_file():
             return cls(_Side(folder, provider, threads, verify))
         raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
 
     def resolve_algorithm(self, cfg: GenerationConfig) -> str:
+        """The algorithm a configuration runs: `auto` with a drafter, `ar` without one."""
         algo = cfg.algorithm
         if algo == "auto":
-            if self.drafter is None:
-                return "ar"
-            if self.same_vocab:
-                return "standard"
-            # Measured on the real pair (README): SLEM is the fastest for greedy decoding at every k,
-            # SLRS for sampling at its best k (SLEM's exact match rarely meets a sampled token).
-            return "slem" if cfg.temperature <= 0 else "slrs"
+            return "ar" if self.drafter is None else "auto"
         if algo != "ar" and self.drafter is None:
             raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
         if algo == "standard" and not self.same_vocab:
@@ -165,26 +181,86 @@ class Pipeline:
             )
         return algo
 
-    def _proposer(self, algo: str, cfg: SamplingConfig, rng: np.random.Generator,
-                  drafter_ids: list[int]) -> Proposer | None:
+    def candidates(self, algo: str) -> tuple[str, ...]:
+        """The algorithms a resolved algorithm drafts with: auto weighs every one that fits the pair."""
         if algo == "ar":
-            return None
-        assert self.drafter is not None and self.maps is not None
-        state = DrafterState(self.drafter.engine, self.drafter.vocab, drafter_ids)
+            return ()
+        if algo != "auto":
+            return (algo,)
+        return ("standard",) if self.same_vocab else ("slem", "tli", "slrs")
+
+    def _proposers(self, algos: tuple[str, ...], cfg: SamplingConfig, rng: np.random.Generator,
+                   state: DrafterState) -> dict[str, Proposer]:
+        """One proposer per algorithm, all drafting from one drafter state (synced after each round)."""
+        drafter, maps, target = self.drafter, self.maps, self.target.vocab
+        assert drafter is not None and maps is not None
         # Proposals cover the ids the target can emit: its logits, cut to its tokenizer (loop.Decoder).
         width = min(self.target.manifest.logits_width, self.target.manifest.vocab_size)
-        if algo == "standard":
-            identity = np.arange(self.drafter.vocab.size, dtype=np.int64)
-            return MappedProposer(state, identity, width, cfg, rng, self.target.vocab.eos_ids)
-        if algo == "tli":
-            return TLIProposer(state, self.maps.intersection, width, cfg, rng, self.target.vocab.eos_ids)
-        if algo == "slem":
-            return SLEMProposer(state, self.target.vocab, self.drafter.vocab.eos_ids)
-        return SLRSProposer(state, self.target.vocab, self.maps.prefix, width, cfg, rng)
 
-    def stream_events(self, prompt: str,
-                      config: GenerationConfig | None = None) -> Generator[Emitted, None, GenerationResult]:
-        """Yield one `Emitted` per round, then return the GenerationResult (generator return value)."""
+        def make(algo: str) -> Proposer:
+            if algo == "standard":
+                identity = np.arange(drafter.vocab.size, dtype=np.int64)
+                return MappedProposer(state, identity, width, cfg, rng, target.eos_ids)
+            if algo == "tli":
+                return TLIProposer(state, maps.intersection, width, cfg, rng, target.eos_ids)
+            if algo == "slem":
+                return SLEMProposer(state, target, drafter.vocab.eos_ids)
+            return SLRSProposer(state, target, maps.prefix, width, cfg, rng)
+
+        return {a: make(a) for a in algos}
+
+    def costs(self, k_max: int) -> tuple[dict[int, float], float]:
+        """Seconds of a target forward over s = 1..k_max+1 positions, and of a drafter step, measured on
+        the loaded engines (kept for later generations; the cost schedule then follows them online)."""
+        assert self.drafter is not None
+        if self._costs is None:
+            t, d = self.target.engine, self.drafter.engine
+            span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
+            t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
+            d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
+            one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
+                                                                                          CALIBRATION_CONTEXT, span)
+            step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
+            self._costs = ({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)}, step)
+        target, step = self._costs
+        last = max(target)
+        slope = (target[last] - target[1]) / max(1, last - 1)
+        return {s: target.get(s, target[1] + slope * (s - 1)) for s in range(1, k_max + 2)}, step
+
+    def _schedule(self, algo: str, cfg: GenerationConfig, proposers: dict[str, Proposer], state: DrafterState | None,
+                  greedy: bool) -> tuple[Schedule, int]:
+        name = cfg.schedule or ("cost" if algo == "auto" else "static")
+        if not proposers or state is None:
+            return StaticSchedule(None, 0), 0
+        if name == "disco" or (name == "cost" and algo == "auto" and cfg.schedule is None and self.disco):
+            if self.disco is None:
+                raise UsageError("the disco schedule needs a calibrated pair: run `edge-sd calibrate PAIR` first")
+            names = {id(p): a for a, p in proposers.items()}
+            if algo == "auto":  # the cost model decides whether to draft, DISCO when to stop
+                cost, k = self._schedule(algo, replace(cfg, schedule="cost"), proposers, state, greedy)
+                return DiscoSchedule(cost, self.disco, state, names), k
+            k = cfg.lookahead if cfg.lookahead is not None else self.disco.k
+            (proposer,) = proposers.values()
+            return DiscoSchedule(StaticSchedule(proposer, k), self.disco, state, names), k
+        if name == "cost":
+            k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_MAX_LOOKAHEAD
+            target, step = self.costs(k)
+            return CostSchedule(proposers, k, target, {a: step for a in proposers}), k
+        k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
+        if len(proposers) > 1:
+            raise UsageError(f"the {name} schedule drafts with one algorithm: name it with --algorithm")
+        (proposer,) = proposers.values()
+        if name == "heuristic":
+            return HeuristicSchedule(proposer, k, max(k, DEFAULT_MAX_LOOKAHEAD)), k
+        return StaticSchedule(proposer, k), k
+
+    def stream_events(self, prompt: str, config: GenerationConfig | None = None,
+                      make_schedule: Callable[[dict[str, Proposer]], Schedule] | None = None,
+                      ) -> Generator[Emitted, None, GenerationResult]:
+        """Yield one `Emitted` per round, then return the GenerationResult (generator return value).
+
+        make_schedule: build the lookahead schedule from the proposers (calibration records traces
+        this way); by default the configuration's schedule."""
         cfg = config or GenerationConfig()
         cfg.check()
         if not prompt:
@@ -200,24 +276,27 @@ class Pipeline:
             )
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
         rng = np.random.default_rng(cfg.seed)
-        proposer = None
+        state, proposers, d_ids = None, {}, []
         if algo != "ar":
             assert self.drafter is not None
             d_ids = self.drafter.prompt_ids(prompt, cfg.chat and bool(self.drafter.manifest.chat_template))
             # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
             if 0 < len(d_ids) < self.drafter.manifest.max_context:
-                proposer = self._proposer(algo, sampling, rng, d_ids)
-                self.drafter.engine.reset()
-        k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if sampling.greedy else "sample"]
+                state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids)
+                proposers = self._proposers(self.candidates(algo), sampling, rng, state)
+        schedule, k = self._schedule(algo, cfg, proposers, state, sampling.greedy)
+        if make_schedule is not None and proposers:
+            schedule = make_schedule(proposers)
+        if state is not None:
+            state.engine.reset()
         # Size preallocated caches for the whole generation now (they never grow mid-way). The
         # drafter's tokens for the same text may outnumber the target's: twice as many is a guess that
         # covers the pairs here; beyond it the cache grows by doubling.
         self.target.engine.reserve(len(ids) + cfg.max_new_tokens + k + 1)
-        if proposer is not None:
-            assert self.drafter is not None
-            self.drafter.engine.reserve(len(d_ids) + 2 * (cfg.max_new_tokens + k) + 1)
-        stats = Stats(algorithm=algo, lookahead=k if algo != "ar" else 0)
-        decoder = Decoder(self.target.engine, proposer, sampling, rng, k)
+        if state is not None:
+            state.engine.reserve(len(d_ids) + 2 * (cfg.max_new_tokens + k) + 1)
+        stats = Stats(algorithm=algo, lookahead=k if proposers else 0)
+        decoder = Decoder(self.target.engine, sampling, rng, schedule, state)
         stream = TextStream(self.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))
         pieces = []
         for event in decoder.run(ids, stream, stats):
@@ -231,8 +310,9 @@ class Pipeline:
             if event.text:
                 yield event.text
 
-    def generate(self, prompt: str, config: GenerationConfig | None = None) -> GenerationResult:
-        gen = self.stream_events(prompt, config)
+    def generate(self, prompt: str, config: GenerationConfig | None = None,
+                 make_schedule: Callable[[dict[str, Proposer]], Schedule] | None = None) -> GenerationResult:
+        gen = self.stream_events(prompt, config, make_schedule)
         while True:
             try:
                 next(gen)
@@ -256,3 +336,18 @@ def _load_maps(folder: Path, pm: Any, target: _Side, drafter: _Side) -> tuple[Vo
         why = "missing" if path is None or not path.is_file() else "stale (tokenizers changed)"
         notes.append(f"vocabulary maps {why}; rebuilt them in memory")
     return build_maps(drafter.vocab, target.vocab), notes
+
+
+def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, s: int) -> float:
+    """Median seconds of a forward over s positions after `context` cached ones."""
+    engine.reset()
+    engine.reserve(context + s)
+    engine.forward(ids[:context])
+    times = []
+    for _ in range(CALIBRATION_REPEATS):
+        engine.truncate(context)
+        start = time.perf_counter()
+        engine.forward(ids[context : context + s])
+        times.append(time.perf_counter() - start)
+    engine.reset()
+    return float(np.median(times))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -26,6 +26,15 @@ class Stats:
     time_drafter_s: float = 0.0
     wall_s: float = 0.0
     stop_reason: str = ""
+    rounds_by_drafts: dict[int, int] = field(default_factory=dict)  # m -> rounds that drafted m (0: plain)
+    schedule: dict = field(default_factory=dict)  # what the lookahead schedule did (lookahead.py)
+
+    def count_round(self, proposed: int, accepted: int, target_s: float) -> None:
+        self.target_forwards += 1
+        self.time_target_s += target_s
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rounds_by_drafts[proposed] = self.rounds_by_drafts.get(proposed, 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -59,6 +68,9 @@ class Stats:
         if self.algorithm != "ar":
             parts.append(f"k={self.lookahead} accept {self.acceptance_rate:.0%} ({self.accepted}/{self.proposed})")
             parts.append(f"{self.drafter_forwards} drafter fwd")
+            rounds = self.schedule.get("rounds")
+            if rounds:  # the cost schedule: rounds per algorithm and draft length
+                parts.append("rounds " + " ".join(f"{k} {v}" for k, v in rounds.items()))
         parts.append(
             f"time target {self.time_target_s:.2f}s drafter {self.time_drafter_s:.2f}s "
             f"other {self.time_other_s:.2f}s prefill {self.prefill_s:.2f}s"

@@ -54,15 +54,16 @@ def test_cut_back_and_refeed_gives_the_same_logits(tiny_root: Path, name: str) -
 
 @pytest.mark.parametrize("name", ["bl_llama", "sp_gemma"])
 def test_two_position_steps_are_exact(tiny_root: Path, name: str) -> None:
-    """With min_step_positions 2 a one-token step re-feeds the last cached token and equals, bit for
-    bit, the same position inside any longer forward; without it, the one-row kernel rounds otherwise."""
-    engine = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2)
-    assert engine.manifest.min_step_positions == 2
+    """With two-position steps a one-token step re-feeds the last cached token and equals, bit for bit,
+    the same position inside any longer forward; one-position steps take the one-row kernel, which
+    rounds otherwise (by ~1e-6 in fp32: these engines step one position, int8 ones two)."""
+    engine = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2, min_step_positions=2)
     engine.reset()
     full = engine.forward(IDS)[1:]
     np.testing.assert_array_equal(steps(engine, IDS), full)
-    raw = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2, min_step_positions=1)
-    assert np.abs(steps(raw, IDS) - full).max() > 0.0  # what the re-feeding is for (measured at export)
+    raw = OrtEngine(tiny_root / "engines" / name, provider="cpu", threads=2)
+    assert raw.min_step == raw.manifest.min_step_positions == 1
+    assert 0.0 < np.abs(steps(raw, IDS) - full).max() < 1e-4 * np.abs(full).max()
 
 
 def test_resolve_providers(monkeypatch) -> None:

@@ -25,9 +25,10 @@ def test_validation_figures_within_tolerance(tiny_root: Path, name: str) -> None
     assert v["top1_agreement_vs_torch"] == 1.0
     assert m.min_step_positions == v["min_step_positions"]
     if m.export_path == "builder":
-        # Forwards over two or more positions take one kernel path: bit-identical to each other.
+        # Forwards over two or more positions take one kernel path: bit-identical to each other; fp32
+        # single steps are within the tolerance, so these engines step one position at a time.
         assert v["max_rel_diff_multi_position"] == 0.0
-        assert m.min_step_positions == (2 if v["max_rel_diff_single_position"] > 0 else 1)
+        assert m.min_step_positions == 1 and v["max_rel_diff_single_position"] <= v["tolerance_cache"]
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

@@ -72,11 +72,22 @@ class DrafterState:
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
         self.ends: list[int] = []  # byte end of each generated-region token known to match the text
         self._last_logits: np.ndarray | None = None
+        # Asked after each drafted token (its logits, its position in the draft from 1) whether to
+        # draft another: DISCO's classifier, or a recorder of calibration traces. None: always.
+        self.stopper: Callable[[np.ndarray, int], bool] | None = None
+        self._position = 0
 
     def budget(self, k: int) -> int:
         """How many tokens may be drafted now: at most k, none past the drafter's maximum context, and
-        none while the committed text has bytes the drafter could not take in (see `lagging`)."""
+        none while the committed text has bytes the drafter could not take in (see `lagging`). A
+        proposer asks it once, as a draft begins."""
+        self._position = 0
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
+
+    def keep_drafting(self, logits: np.ndarray) -> bool:
+        """After a drafted token was pushed (drawn from `logits`): whether to draft another."""
+        self._position += 1
+        return self.stopper is None or self.stopper(logits, self._position)
 
     def next_logits(self) -> np.ndarray:
         """Drafter logits [V_d] for the token after `ids`, feeding what is not cached yet. Columns past

@@ -72,11 +72,14 @@ class SLEMProposer:
         k = self.drafter.budget(k)
         text = b""
         for _ in range(k):
-            d = int(np.argmax(self.drafter.next_logits()))
+            logits = self.drafter.next_logits()
+            d = int(np.argmax(logits))
             if d in self.drafter_eos or not self.drafter.vocab.token_bytes[d]:
                 break  # no bytes to match: the target's own EOS comes as a correction or bonus
             self.drafter.push(d)
             text += self.drafter.vocab.token_bytes[d] or b""
+            if not self.drafter.keep_drafting(logits):
+                break
         return Draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)
 
     def sync(self, generated: bytes) -> None:

@@ -38,6 +38,7 @@ class SLRSProposer:
         rows: list[np.ndarray] = []
         leftover = b""
         drafted = 0
+        more = True  # the stopper's answer after the last drafted token
         while len(cands) < k:
             row = np.zeros(self.target_width)
             if leftover:
@@ -46,7 +47,7 @@ class SLRSProposer:
                     row[t] = 1.0
                     leftover = leftover[len(self.tb[t] or b""):]
             else:
-                if drafted >= room:
+                if drafted >= room or not more:
                     break
                 logits = self.drafter.next_logits()  # [V_d]
                 q = warp(logits, self.cfg)
@@ -55,6 +56,7 @@ class SLRSProposer:
                 t = int(self.prefix[d])
                 self.drafter.push(d)
                 drafted += 1
+                more = self.drafter.keep_drafting(logits)
                 if t >= 0:
                     leftover = (self.drafter.vocab.token_bytes[d] or b"")[len(self.tb[t] or b""):]
             cands.append(t)

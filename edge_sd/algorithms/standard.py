@@ -81,7 +81,7 @@ class MappedProposer:
             cands.append(t)
             rows.append(scatter_to_targets(qd, self.map, self.target_width))
             self.drafter.push(d)
-            if t in self.eos:
+            if t in self.eos or not self.drafter.keep_drafting(logits):
                 break
         return Draft(cands, np.stack(rows) if rows else None)
 

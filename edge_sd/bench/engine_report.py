@@ -100,6 +100,12 @@ def markdown(results: dict, command: str, image_dir: str) -> str:
             "--memory`).",
             quality_table(results["cases"]),
         ]
+    if "llama_cpp" in results:
+        ll = results["llama_cpp"]
+        parts.append(
+            f"llama.cpp (`llama-bench`, build {ll['build_commit']}, {ll['threads']} threads) decodes the GGUF the "
+            f"target was exported from ({ll['model']}, 4-bit weights) at {ll['tok_s']:.1f} tok/s "
+            f"(± {ll['stddev_tok_s']:.1f}, {ll['tokens']} tokens, no prompt), on the same machine in the same run.")
     parts.append(f"![forward times]({image_dir}/{PLOT})")
     return "\n\n".join(parts)
 

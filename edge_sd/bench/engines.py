@@ -84,41 +84,73 @@ def edge_decode(pipe, prompt: str, n: int) -> dict:
 
 
 class GenaiRunner:
-    """onnxruntime-genai's generator on an engine folder's graph, with the same thread count."""
+    """onnxruntime-genai's generator on an engine folder's graph, in a process of its own.
+
+    Two runtimes in one process measure each other: with both models loaded and both thread pools
+    alive, the one measured second loses about 10% (Gemma-3-270M fp32, this CPU). A worker process
+    holds genai alone; the benchmark still alternates prompt by prompt between the two.
+    """
 
     def __init__(self, folder: Path, threads: int):
-        import onnxruntime_genai as og
+        import subprocess
+        import sys
 
-        # The generator reads its session options from genai_config.json: a copy of the folder (links
-        # to the model files) with the thread count set, so that both runtimes use the same cores.
-        self._dir = Path(tempfile.mkdtemp(prefix="edge-sd-genai-"))
-        for f in folder.iterdir():
-            if f.is_file() and f.name != "genai_config.json":
-                os.symlink(f.resolve(), self._dir / f.name)
-        cfg = json.loads((folder / "genai_config.json").read_text())
-        opts = cfg["model"]["decoder"].setdefault("session_options", {})
-        opts.update({"intra_op_num_threads": threads, "inter_op_num_threads": 1})
-        (self._dir / "genai_config.json").write_text(json.dumps(cfg))
-        self._og = og
-        self.model = og.Model(str(self._dir))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_sd.bench.engines", "--genai-worker", str(folder), "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._proc.stdout.readline() if self._proc.stdout else ""
+        if not ready.startswith("ready"):
+            self.close()
+            raise ImportError(f"onnxruntime-genai could not load {folder}: {ready.strip() or 'worker died'}")
 
     def decode(self, prompt_ids: list[int], n: int) -> dict:
-        og = self._og
-        params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(prompt_ids) + n, do_sample=False)
-        gen = og.Generator(self.model, params)
-        t = time.perf_counter()
-        gen.append_tokens(prompt_ids)
-        prefill = time.perf_counter() - t
-        ids, start = [], time.perf_counter()
-        while len(ids) < n and not gen.is_done():
-            gen.generate_next_token()
-            ids.append(int(gen.get_next_tokens()[0]))
-        return {"tokens": len(ids), "decode_s": time.perf_counter() - start, "prefill_s": prefill,
-                "token_ids": ids}
+        assert self._proc.stdin and self._proc.stdout
+        self._proc.stdin.write(json.dumps({"ids": prompt_ids, "n": n}) + "\n")
+        self._proc.stdin.flush()
+        return json.loads(self._proc.stdout.readline())
 
     def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+
+
+def genai_worker(folder: Path, threads: int) -> None:
+    """The worker's side: load the graph with onnxruntime-genai, then decode requests from stdin."""
+    import sys
+
+    import onnxruntime_genai as og
+
+    # The generator reads its session options from genai_config.json: a copy of the folder (links to
+    # the model files) with the thread count set, so that both runtimes use the same cores.
+    tmp = Path(tempfile.mkdtemp(prefix="edge-sd-genai-"))
+    try:
+        for f in folder.iterdir():
+            if f.is_file() and f.name != "genai_config.json":
+                os.symlink(f.resolve(), tmp / f.name)
+        cfg = json.loads((folder / "genai_config.json").read_text())
+        cfg["model"]["decoder"].setdefault("session_options", {}).update(
+            {"intra_op_num_threads": threads, "inter_op_num_threads": 1})
+        (tmp / "genai_config.json").write_text(json.dumps(cfg))
+        model = og.Model(str(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(req["ids"]) + req["n"], do_sample=False)
+        gen = og.Generator(model, params)
+        t = time.perf_counter()
+        gen.append_tokens(req["ids"])
+        prefill = time.perf_counter() - t
+        ids: list[int] = []
+        start = time.perf_counter()
+        while len(ids) < req["n"] and not gen.is_done():
+            gen.generate_next_token()
+            ids.append(int(gen.get_next_tokens()[0]))
+        print(json.dumps({"tokens": len(ids), "decode_s": time.perf_counter() - start, "prefill_s": prefill,
+                          "token_ids": ids}), flush=True)
 
 
 def hf_decode(model, prompt_ids: list[int], n: int) -> dict:
@@ -155,8 +187,9 @@ def run(opts: EngineOptions, progress: Callable[[str], None] = lambda s: None) -
         if opts.genai and (case.folder / "genai_config.json").is_file():
             try:
                 genai = GenaiRunner(case.folder, opts.threads)
-            except ImportError:
-                genai = None  # the bench extra is not installed: the column stays empty
+            except ImportError as e:  # the bench extra is not installed: the columns stay empty
+                progress(f"{case.label}: no onnxruntime-genai comparison ({e})")
+                genai = None
         model = None
         if opts.transformers and case.hf is not None:
             import torch
@@ -255,9 +288,14 @@ def memory_profile(folder: Path, n: int, threads: int, checkpoints: tuple[int, .
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="memory of one engine over a long greedy generation (JSON)")
-    ap.add_argument("--memory", type=Path, required=True, help="engine folder")
+    ap = argparse.ArgumentParser(description="memory of one engine over a long greedy generation (JSON), or "
+                                             "the onnxruntime-genai worker of GenaiRunner")
+    ap.add_argument("--memory", type=Path, help="engine folder")
+    ap.add_argument("--genai-worker", type=Path, help="engine folder")
     ap.add_argument("-n", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    print(json.dumps(memory_profile(a.memory, a.n, a.threads)))
+    if a.genai_worker:
+        genai_worker(a.genai_worker, a.threads)
+    else:
+        print(json.dumps(memory_profile(a.memory, a.n, a.threads)))

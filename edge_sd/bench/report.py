@@ -14,28 +14,36 @@ SPEEDUP_PNG = "real_pair_speedup.png"
 SPLIT_PNG = "real_pair_time_split.png"
 
 
+def prompt_set(prompt_id: str) -> str:
+    """The prompt set of a record's prompt id (prompts.py names them HumanEval/N and lee/N)."""
+    return "code" if prompt_id.startswith("HumanEval") else "summarisation"
+
+
 def summarise(results: dict) -> list[dict]:
-    """One row per (mode, engine, algorithm, k), in the order the configurations ran."""
+    """One row per (mode, engine, algorithm, k, schedule), in the order the configurations ran."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results["records"]:
-        groups[(r["mode"], r["engine"], r["algorithm"], r["k"])].append(r)
+        groups[(r["mode"], r["engine"], r["algorithm"], r["k"], r.get("schedule", "static"))].append(r)
     plain = {(r["mode"], r["engine"], r["prompt"]): r for r in results["records"] if r["algorithm"] == "ar"}
     rows = []
-    for (mode, engine, algo, k), recs in groups.items():
+    for (mode, engine, algo, k, schedule), recs in groups.items():
         tokens = sum(r["new_tokens"] for r in recs)
         wall = sum(r["wall_s"] for r in recs)
         target = sum(r["target_s"] for r in recs)
         drafter = sum(r["drafter_s"] for r in recs)
         ratios, identical = [], 0
+        by_set: dict[str, list[float]] = defaultdict(list)
         for r in recs:
             base = plain[(mode, "edge-sd", r["prompt"])]  # every speedup is over edge-sd's plain decoding
             if r["new_tokens"] and base["new_tokens"]:
                 ratios.append((r["new_tokens"] / r["wall_s"]) / (base["new_tokens"] / base["wall_s"]))
+                by_set[prompt_set(r["prompt"])].append(ratios[-1])
             own = plain[(mode, engine, r["prompt"])]
             identical += r["token_ids"] == own["token_ids"]
         proposed = sum(r["proposed"] for r in recs)
         rows.append({
-            "mode": mode, "engine": engine, "algorithm": algo, "k": k, "prompts": len(recs),
+            "mode": mode, "engine": engine, "algorithm": algo, "k": k, "schedule": schedule, "prompts": len(recs),
+            "speedup_median_by_set": {name: statistics.median(v) for name, v in sorted(by_set.items())},
             "new_tokens": tokens,
             "tokens_per_s": tokens / wall if wall else 0.0,
             "speedup_median": statistics.median(ratios) if ratios else 0.0,
@@ -50,7 +58,7 @@ def summarise(results: dict) -> list[dict]:
 
 
 def table(rows: list[dict], mode: str) -> str:
-    head = ("| engine | algorithm | k | tok/s | speedup (median) | acceptance | tok / target fwd "
+    head = ("| engine | algorithm | k | tok/s | speedup (median) | code | news | acceptance | tok / target fwd "
             "| ms/token: target | drafter | other |" + (" same tokens as plain |" if mode == "greedy" else ""))
     sep = "|" + "---|" * (head.count("|") - 1)
     lines = [head, sep]
@@ -58,8 +66,12 @@ def table(rows: list[dict], mode: str) -> str:
         if r["mode"] != mode:
             continue
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
-        line = (f"| {r['engine']} | {_algo_name(r['algorithm'])} | {r['k'] or ''} | {r['tokens_per_s']:.1f} "
-                f"| {r['speedup_median']:.2f}x | {acc} | {r['tokens_per_target_forward']:.2f} "
+        sets = r.get("speedup_median_by_set", {})
+        per_set = " | ".join(f"{sets[s]:.2f}x" if s in sets else "" for s in ("code", "summarisation"))
+        name = _algo_name(r["algorithm"]) + ("" if r.get("schedule", "static") in ("static", "cost")
+                                             else f" ({r['schedule']})")
+        line = (f"| {r['engine']} | {name} | {r['k'] or ''} | {r['tokens_per_s']:.1f} "
+                f"| {r['speedup_median']:.2f}x | {per_set} | {acc} | {r['tokens_per_target_forward']:.2f} "
                 f"| {r['ms_per_token_target']:.1f} | {r['ms_per_token_drafter']:.1f} | {r['ms_per_token_other']:.1f} |")
         if mode == "greedy":
             line += f" {r['identical_to_plain']}/{r['prompts']} |"
@@ -68,7 +80,7 @@ def table(rows: list[dict], mode: str) -> str:
 
 
 def _algo_name(a: str) -> str:
-    names = {"ar": "plain", "uag": "assisted (UAG)", "usd": "assisted (USD, as shipped)",
+    names = {"ar": "plain", "auto": "auto (cost-aware)", "uag": "assisted (UAG)", "usd": "assisted (USD, as shipped)",
              "usd-unpruned": "assisted (USD, LM head not pruned)"}
     return names.get(a, a.upper())
 
@@ -87,8 +99,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         mrows = [r for r in rows if r["mode"] == mode]
+        auto = [r for r in mrows if r["algorithm"] == "auto"]
+        if auto:  # auto chooses its own k each round: a level, not a curve
+            ax.axhline(auto[0]["speedup_median"], color="green", ls="--", lw=1.5, label="edge-sd auto (cost-aware)")
         for algo in ("slem", "tli", "slrs", "uag", "usd", "usd-unpruned"):
-            pts = sorted((r["k"], r["speedup_median"]) for r in mrows if r["algorithm"] == algo)
+            pts = sorted((r["k"], r["speedup_median"]) for r in mrows
+                         if r["algorithm"] == algo and r.get("schedule", "static") == "static")
             if pts:
                 hf = algo in ("uag", "usd", "usd-unpruned")
                 style = "--s" if hf else "-o"

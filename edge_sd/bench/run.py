@@ -41,6 +41,9 @@ class BenchOptions:
     transformers: bool = True
     hf_dir: Path | None = None  # holds gemma3-270m/ and smollm2-135m/ (fp32 HF folders)
     hf_ks: tuple[int, ...] = (3, 5)
+    auto: bool = True  # also edge-sd's `auto` (cost-aware schedule over every algorithm)
+    schedules: tuple[str, ...] = ()  # other lookahead schedules, for each algorithm at its first k
+    skip: int = 0  # each set starts after this many prompts (held out from `edge-sd calibrate`)
 
     def check(self) -> None:
         if self.per_set < 1 or self.max_new_tokens < 1:
@@ -55,18 +58,23 @@ class BenchOptions:
         for m in self.modes:
             if m not in MODES:
                 raise UsageError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        for sch in self.schedules:
+            if sch not in ("heuristic", "cost", "disco"):
+                raise UsageError(f"unknown schedule {sch!r} for the benchmark; choose from heuristic, cost, disco")
 
 
 @dataclass(frozen=True)
 class Config:
     engine: str  # "edge-sd" or "transformers"
     mode: str
-    algorithm: str  # ar (plain decoding), slem/tli/slrs, or uag/usd for transformers
-    k: int
+    algorithm: str  # ar (plain decoding), auto, slem/tli/slrs, or uag/usd for transformers
+    k: int  # 0: the default (auto: the longest draft it may choose)
+    schedule: str = "static"
 
     @property
     def label(self) -> str:
-        return f"{self.engine} {self.algorithm}" + (f" k={self.k}" if self.k else "")
+        sched = "" if self.schedule == "static" or self.algorithm == "auto" else f" {self.schedule}"
+        return f"{self.engine} {self.algorithm}{sched}" + (f" k={self.k}" if self.k else "")
 
 
 @dataclass
@@ -87,13 +95,17 @@ class Record:
     proposed: int
     accepted: int
     token_ids: list[int] = field(default_factory=list)
+    schedule: str = "static"
 
 
 def configs(opts: BenchOptions) -> list[Config]:
     out = []
     for mode in opts.modes:
         out.append(Config("edge-sd", mode, "ar", 0))
+        if opts.auto:
+            out.append(Config("edge-sd", mode, "auto", 0, "cost"))
         out += [Config("edge-sd", mode, a, k) for a in opts.algorithms for k in opts.ks]
+        out += [Config("edge-sd", mode, a, opts.ks[0], sch) for sch in opts.schedules for a in opts.algorithms]
         if opts.transformers:
             out.append(Config("transformers", mode, "ar", 0))
             out += [Config("transformers", mode, a, k) for a in HF_ASSISTED[mode] for k in opts.hf_ks]
@@ -125,7 +137,7 @@ def _cpu_name() -> str:
 def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = None) -> dict:
     """Run the benchmark; returns {"options", "machine", "prompts", "records"}."""
     opts.check()
-    plist = [p for s in opts.sets for p in prompt_sets.load(s, opts.cache, opts.per_set)]
+    plist = [p for s in opts.sets for p in prompt_sets.load(s, opts.cache, opts.skip + opts.per_set)[opts.skip:]]
     pipe = Pipeline.from_folder(opts.pair, threads=opts.threads)
     if pipe.drafter is None:
         raise UsageError(f"{opts.pair} holds a single engine; the benchmark needs a pair folder")
@@ -142,6 +154,8 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
     warm = plist[0].text
     plain.generate(warm, GenerationConfig(max_new_tokens=4, algorithm="ar"))
     pipe.generate(warm, GenerationConfig(max_new_tokens=4, algorithm=opts.algorithms[0], lookahead=2))
+    if opts.auto:  # also calibrates the cost model (once per pipeline), outside the timed runs
+        pipe.generate(warm, GenerationConfig(max_new_tokens=4))
     if hf is not None:
         hf.generate(pipe.target.prompt_ids(warm, False), "greedy", "ar", 0, 4, 0)
     records: list[Record] = []
@@ -170,7 +184,7 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
 
 def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
     gen = GenerationConfig(max_new_tokens=max_new, temperature=MODES[cfg.mode], seed=seed,
-                           algorithm=cfg.algorithm, lookahead=cfg.k)
+                           algorithm=cfg.algorithm, lookahead=cfg.k or None, schedule=cfg.schedule)
     # Timed from outside, as transformers' generate() is: tokenizing the prompt and setting up the
     # drafter count too.
     t0 = time.perf_counter()
@@ -178,7 +192,7 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
     wall = time.perf_counter() - t0
     s = res.stats
     return Record(
-        engine="edge-sd", mode=cfg.mode, algorithm=cfg.algorithm, k=cfg.k, prompt=prompt.id,
+        engine="edge-sd", mode=cfg.mode, algorithm=cfg.algorithm, k=cfg.k, prompt=prompt.id, schedule=cfg.schedule,
         new_tokens=s.new_tokens, wall_s=wall, prefill_s=s.prefill_s,
         target_s=s.time_target_s + s.prefill_s, drafter_s=s.time_drafter_s,
         target_forwards=s.target_forwards, proposed=s.proposed, accepted=s.accepted, token_ids=res.token_ids,

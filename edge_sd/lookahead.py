@@ -1,0 +1,262 @@
+"""How many tokens to draft, and with which algorithm (ALGORITHMS.md sections 6 and 6b).
+
+A schedule plans each round from the past only (never from this round's draws), which is why every
+schedule is lossless: it changes the speed, never the output. `plan` returns the proposer and the
+number of tokens m to draft (0: a plain step); `observe` takes what the round cost and accepted.
+
+- static: a fixed k;
+- heuristic: k += 2 after a round where every candidate was accepted, else k -= 1 (at least 1);
+- cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
+  second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
+  with a short probe every few plain steps so that a text where drafts start to pay is noticed;
+- disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from edge_sd.algorithms.base import DrafterState, Proposer
+from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
+
+# Acceptance estimates start from 0.5 with the weight of PRIOR rounds each side, and forget the past at
+# this rate per round, so that they follow the text (code is predictable, a summary's first words less so).
+PRIOR = 1.0
+DECAY = 0.97
+# After this many plain steps in a row, one round drafts PROBE tokens to refresh the estimates.
+PROBE_EVERY = 8
+PROBE = 1
+# Cost estimates follow new measurements with this weight (exponential moving average).
+COST_WEIGHT = 0.1
+
+
+@dataclass
+class Plan:
+    proposer: Proposer | None
+    m: int
+
+
+class Schedule(Protocol):
+    name: str
+
+    def plan(self, budget: int) -> Plan:
+        """This round's proposer and draft length, at most `budget` (0 when nothing may be drafted)."""
+        ...
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        """What the round proposed and accepted (and the bytes the accepted candidates spell), and what
+        its target forward and its drafting cost."""
+        ...
+
+    def summary(self) -> dict:
+        """What the schedule did, for the statistics."""
+        ...
+
+
+class StaticSchedule:
+    name = "static"
+
+    def __init__(self, proposer: Proposer | None, k: int):
+        self.proposer, self.k = proposer, k
+
+    def plan(self, budget: int) -> Plan:
+        return Plan(self.proposer, min(self.k, budget) if self.proposer else 0)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {}
+
+
+class HeuristicSchedule(StaticSchedule):
+    name = "heuristic"
+
+    def __init__(self, proposer: Proposer | None, k: int, k_max: int):
+        super().__init__(proposer, max(1, k))
+        self.k_max = k_max
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        if proposed:
+            self.k = min(self.k_max, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+
+
+@dataclass
+class Acceptance:
+    """Per draft position i: how often candidate i was accepted when it was verified (decayed counts)."""
+
+    accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def rate(self, i: int) -> float:
+        """Estimated P(candidate i accepted | candidates before it accepted); i counts from 0.
+
+        Each position's counts are smoothed towards the position before it (the first towards 1/2),
+        so that a depth seldom or never drafted takes the estimate of the ones before it instead of
+        the prior, and the schedule can find out that longer drafts pay.
+        """
+        rate = 0.5
+        for j in range(min(i, len(self.tried) - 1) + 1):
+            rate = (self.accepted[j] + 2 * PRIOR * rate) / (self.tried[j] + 2 * PRIOR)
+        return rate
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted = [a * DECAY for a in self.accepted]
+        self.tried = [t * DECAY for t in self.tried]
+        while len(self.tried) < proposed:
+            self.tried.append(0.0)
+            self.accepted.append(0.0)
+        # Candidates 0..accepted-1 were accepted; candidate `accepted` (if any) was rejected; the
+        # ones after it were never verified.
+        for i in range(min(proposed, accepted + 1)):
+            self.tried[i] += 1.0
+            self.accepted[i] += 1.0 if i < accepted else 0.0
+
+    def expected_tokens(self, m: int) -> float:
+        """1 + a_1 + a_1 a_2 + ... + a_1...a_m: the tokens a round with m drafts emits on average."""
+        total, run = 1.0, 1.0
+        for i in range(m):
+            run *= self.rate(i)
+            total += run
+        return total
+
+
+class CostSchedule:
+    """Section 6b: choose m in 0..K and the algorithm maximising expected tokens per second.
+
+    target_cost(s): seconds of a target forward over s positions (calibrated at load, then followed
+    online); the drafting cost per drafted token is measured per algorithm as the rounds run (the
+    proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
+    """
+
+    name = "cost"
+
+    def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
+                 draft_cost: dict[str, float]):
+        self.proposers = proposers
+        self.k_max = k_max
+        self.target_cost = dict(target_cost)  # s -> seconds
+        self.draft_cost = dict(draft_cost)  # algorithm -> seconds per drafted token
+        self.acceptance = {name: Acceptance() for name in proposers}
+        self.plain_streak = 0
+        self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds
+        self._algo_of = {id(p): name for name, p in proposers.items()}
+
+    def _rate(self, algo: str, m: int) -> float:
+        cost = self.target_cost[m + 1] + m * self.draft_cost[algo]
+        return self.acceptance[algo].expected_tokens(m) / cost
+
+    def plan(self, budget: int) -> Plan:
+        k = min(self.k_max, budget)
+        best_algo, best_m, best = None, 0, 1.0 / self.target_cost[1]
+        for algo in self.proposers:
+            for m in range(1, k + 1):
+                rate = self._rate(algo, m)
+                if rate > best:
+                    best_algo, best_m, best = algo, m, rate
+        if best_algo is None and k > 0 and self.plain_streak >= PROBE_EVERY:
+            # A probe: the algorithm that would come closest to paying, PROBE tokens.
+            best_algo = max(self.proposers, key=lambda a: self._rate(a, min(PROBE, k)))
+            best_m = min(PROBE, k)
+        self.plain_streak = 0 if best_algo else self.plain_streak + 1
+        key = f"{best_algo}:{best_m}" if best_algo else "plain"
+        self.rounds[key] = self.rounds.get(key, 0) + 1
+        return Plan(self.proposers[best_algo] if best_algo else None, best_m)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        s = proposed + 1
+        if s in self.target_cost:
+            self.target_cost[s] += COST_WEIGHT * (target_s - self.target_cost[s])
+        if plan.proposer is None or not proposed:
+            return
+        algo = self._algo_of[id(plan.proposer)]
+        self.draft_cost[algo] += COST_WEIGHT * (draft_s / proposed - self.draft_cost[algo])
+        self.acceptance[algo].update(proposed, accepted)
+
+    def summary(self) -> dict:
+        return {
+            "rounds": dict(sorted(self.rounds.items())),
+            "target_ms": {s: round(1e3 * c, 2) for s, c in sorted(self.target_cost.items())},
+            "draft_ms_per_token": {a: round(1e3 * c, 2) for a, c in self.draft_cost.items()},
+            "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
+                           for a, acc in self.acceptance.items()},
+        }
+
+
+class DiscoSchedule:
+    """DISCO on top of another schedule: the inner one decides whether to draft and how far at most
+    (a static k, or the cost model's m); the classifier stops a draft early after any drafted token
+    whose predicted acceptance falls below the calibrated threshold."""
+
+    name = "disco"
+
+    def __init__(self, inner: Schedule, model: DiscoModel, state: DrafterState, names: dict[int, str]):
+        self.inner, self.model, self.names = inner, model, names
+        self.recent = 0.5
+        self.algo = ""
+        self.stopped = 0
+        state.stopper = self._keep_drafting
+
+    def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
+        keep = self.model.prob(token_features(logits, position, self.recent, self.algo)) >= self.model.threshold
+        self.stopped += not keep
+        return keep
+
+    def plan(self, budget: int) -> Plan:
+        plan = self.inner.plan(budget)
+        self.algo = self.names.get(id(plan.proposer), "")
+        return plan
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        if proposed:
+            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)
+        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes)
+
+    def summary(self) -> dict:
+        return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}
+
+
+class TraceRecorder(StaticSchedule):
+    """`edge-sd calibrate`: drafts a fixed k and records every drafted token's features and whether it
+    was accepted (disco.py says how the label is found)."""
+
+    name = "record"
+
+    def __init__(self, proposer: Proposer, k: int, algo: str):
+        super().__init__(proposer, k)
+        self.algo = algo
+        self.state = proposer.drafter
+        self.state.stopper = self._record
+        self.recent = 0.5
+        self.rounds: list[tuple[list[np.ndarray], list[int]]] = []
+        self.draft_s: list[float] = []  # seconds per drafted token, per round
+        self._features: list[np.ndarray] = []
+        self._ends: list[int] = []
+
+    def _record(self, logits: np.ndarray, position: int) -> bool:
+        self._features.append(token_features(logits, position, self.recent, self.algo))
+        last = self.state.vocab.token_bytes[self.state.ids[-1]] or b""
+        self._ends.append((self._ends[-1] if self._ends else 0) + len(last))
+        return True
+
+    def plan(self, budget: int) -> Plan:
+        self._features, self._ends = [], []
+        return super().plan(budget)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0) -> None:
+        if not self._features:
+            return
+        labels = [int(end <= accepted_bytes) for end in self._ends]
+        self.rounds.append((self._features, labels))
+        self.draft_s.append(draft_s / len(self._features))
+        if proposed:
+            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)

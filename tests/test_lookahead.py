@@ -1,0 +1,134 @@
+"""The lookahead schedules on their own: what the cost model chooses from given costs and acceptance."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from edge_sd.lookahead import PROBE_EVERY, Acceptance, CostSchedule, HeuristicSchedule
+
+K = 6
+TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
+
+
+def schedule(draft_s: float, algos=("slem", "tli")) -> CostSchedule:
+    return CostSchedule({a: SimpleNamespace(name=a) for a in algos}, K, TARGET, {a: draft_s for a in algos})
+
+
+def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200) -> dict:
+    """Feed the schedule rounds whose candidates are accepted with these per-algorithm rates."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(rounds):
+        plan = sched.plan(K)
+        if plan.proposer is None:
+            sched.observe(plan, 0, 0, TARGET[1], 0.0)
+            continue
+        a = 0
+        while a < plan.m and rng.random() < accept[plan.proposer.name]:
+            a += 1
+        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.draft_cost[plan.proposer.name])
+    return sched.rounds
+
+
+def test_expected_tokens() -> None:
+    acc = Acceptance()
+    for _ in range(50):
+        acc.update(2, 2)  # always both accepted
+    a = acc.rate(0)
+    assert 0.95 < a < 1.0 and abs(acc.expected_tokens(2) - (1 + a + a * acc.rate(1))) < 1e-12
+    assert Acceptance().expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125  # the prior
+
+
+def test_expensive_drafts_fall_back_to_plain_steps_with_probes() -> None:
+    """A drafter costing 1.5 target steps never pays: plain steps, but a short probe every few."""
+    rounds = run(schedule(0.045), {"slem": 0.6, "tli": 0.6})
+    drafted = sum(v for key, v in rounds.items() if key != "plain")
+    assert rounds["plain"] > 150 and 0 < drafted <= 200 // PROBE_EVERY + 2
+    assert all(key.endswith(":1") for key in rounds if key != "plain")  # probes draft one token
+
+
+def test_cheap_accurate_drafts_go_long_with_the_better_algorithm() -> None:
+    """A drafter at a tenth of a target step with 90% acceptance: long drafts, from the algorithm
+    that is accepted more."""
+    sched = schedule(0.003)
+    rounds = run(sched, {"slem": 0.9, "tli": 0.5})
+    slem = sum(v for key, v in rounds.items() if key.startswith("slem"))
+    assert slem > 150 and rounds.get(f"slem:{K}", 0) > 100 and rounds.get("plain", 0) == 0
+    assert sched.acceptance["slem"].rate(0) > 0.8 > 0.6 > sched.acceptance["tli"].rate(0)
+
+
+def test_costs_follow_what_rounds_measure() -> None:
+    sched = schedule(0.003)
+    for _ in range(100):
+        plan = sched.plan(K)
+        sched.observe(plan, plan.m, 0, 0.060, plan.m * 0.050)  # everything slower than calibrated
+    # Drafting measured at 50 ms a token instead of the calibrated 3: it noticed and steps aside.
+    assert max(sched.draft_cost.values()) > 0.015
+    assert sched.rounds.get("plain", 0) > 50
+
+
+def test_heuristic_schedule() -> None:
+    h = HeuristicSchedule(SimpleNamespace(name="tli"), 2, K)
+    plan = h.plan(10)
+    h.observe(plan, 2, 2, 0.03, 0.0)
+    assert h.plan(10).m == 4
+    h.observe(h.plan(10), 4, 1, 0.03, 0.0)
+    assert h.plan(10).m == 3 and h.plan(1).m == 1
+
+
+# --- DISCO ------------------------------------------------------------------------------------------
+
+def test_logistic_fit_separates_confident_drafts() -> None:
+    import numpy as np
+
+    from edge_sd.disco import fit_logistic
+
+    rng = np.random.default_rng(0)
+    top = rng.uniform(0, 1, 2000)
+    x = np.column_stack([top, rng.normal(size=2000)])  # the second feature is noise
+    y = (rng.uniform(0, 1, 2000) < top).astype(float)  # accepted as often as the drafter is confident
+    w, b, mean, scale = fit_logistic(x, y)
+    assert w[0] > 5 * abs(w[1])
+    p = 1 / (1 + np.exp(-(((np.array([0.9, 0.0]) - mean) / scale) @ w + b)))
+    assert 0.75 < p < 0.97
+
+
+def test_best_threshold() -> None:
+    from edge_sd.disco import best_threshold
+
+    # Every token accepted: never stop early (threshold 0).
+    full = [([0.9, 0.9, 0.9], [1, 1, 1])] * 10
+    assert best_threshold(full, TARGET, 0.005, 3) == 0.0
+    # After a low-probability token the next one is rejected: stop after it (a threshold above 0.3),
+    # but not after the confident ones (at most 0.9).
+    mixed = full + [([0.9, 0.3, 0.9], [1, 1, 0])] * 10
+    assert 0.3 < best_threshold(mixed, TARGET, 0.005, 3) <= 0.9
+
+
+def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipelines) -> None:
+    """calibrate writes disco.json; the disco schedule and auto (cost model + DISCO) then stop drafts
+    early and still give plain decoding's tokens."""
+    import json
+    import shutil
+
+    from edge_sd import GenerationConfig, Pipeline
+    from edge_sd.calibrate import calibrate
+    from edge_sd.disco import DISCO_FILE
+
+    folder = tmp_path / "pair"
+    shutil.copytree(tiny_root / "pairs" / "gemma_qwen", folder)
+    pipe = Pipeline.from_folder(folder, provider="cpu", threads=2)
+    prompts = ["The cat", "def add(a, b):", "A small robot reads", "for i in range(10):\n"]
+    found = calibrate(pipe, folder, prompts, ("slem", "tli", "slrs"), 6, 24)
+    data = json.loads((folder / DISCO_FILE).read_text())
+    assert found["drafted_tokens"] == data["trained_on"] > 50 and 0.0 <= data["threshold"] < 1.0
+    pipe = Pipeline.from_folder(folder, provider="cpu", threads=2)
+    assert pipe.disco is not None
+    for prompt in ["The old river sees the", "class Point:\n", "Every engineer "]:
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
+        for cfg in (GenerationConfig(max_new_tokens=24, algorithm="tli", schedule="disco"),
+                    GenerationConfig(max_new_tokens=24)):
+            r = pipe.generate(prompt, cfg)
+            assert r.token_ids == plain, (cfg, prompt)
+            assert "disco" in r.stats.schedule and r.stats.proposed > 0
