@@ -31,6 +31,9 @@ PROBE_EVERY = 8
 PROBE = 1
 # Cost estimates follow new measurements with this weight (exponential moving average).
 COST_WEIGHT = 0.1
+# Every algorithm drafts at least this many rounds before the estimates decide alone (one unlucky
+# first draft must not rule an algorithm out; decay later pulls a neglected one back towards 0.5).
+EXPLORE_ROUNDS = 3
 
 
 @dataclass
@@ -145,6 +148,7 @@ class CostSchedule:
         self.draft_cost = dict(draft_cost)  # algorithm -> seconds per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
         self.plain_streak = 0
+        self.explored: dict[str, int] = {}  # algorithm -> rounds it drafted
         self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds
         self._algo_of = {id(p): name for name, p in proposers.items()}
 
@@ -160,6 +164,10 @@ class CostSchedule:
                 rate = self._rate(algo, m)
                 if rate > best:
                     best_algo, best_m, best = algo, m, rate
+        new = [a for a in self.proposers if self.explored.get(a, 0) < EXPLORE_ROUNDS]
+        if best_algo is not None and new and k > 0:
+            best_algo = new[0]
+            best_m = max(range(1, k + 1), key=lambda m: self._rate(new[0], m))
         if best_algo is None and k > 0 and self.plain_streak >= PROBE_EVERY:
             # A probe: the algorithm that would come closest to paying, PROBE tokens.
             best_algo = max(self.proposers, key=lambda a: self._rate(a, min(PROBE, k)))
@@ -177,6 +185,7 @@ class CostSchedule:
         if plan.proposer is None or not proposed:
             return
         algo = self._algo_of[id(plan.proposer)]
+        self.explored[algo] = self.explored.get(algo, 0) + 1
         self.draft_cost[algo] += COST_WEIGHT * (draft_s / proposed - self.draft_cost[algo])
         self.acceptance[algo].update(proposed, accepted)
 
