@@ -33,7 +33,7 @@ PROBE = 1
 COST_WEIGHT = 0.1
 # Every algorithm drafts at least this many rounds before the estimates decide alone (one unlucky
 # first draft must not rule an algorithm out; decay later pulls a neglected one back towards 0.5).
-EXPLORE_ROUNDS = 3
+EXPLORE_ROUNDS = 2
 
 
 @dataclass
@@ -109,9 +109,11 @@ class Acceptance:
             rate = (self.accepted[j] + 2 * PRIOR * rate) / (self.tried[j] + 2 * PRIOR)
         return rate
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def decay(self) -> None:
         self.accepted = [a * DECAY for a in self.accepted]
         self.tried = [t * DECAY for t in self.tried]
+
+    def update(self, proposed: int, accepted: int) -> None:
         while len(self.tried) < proposed:
             self.tried.append(0.0)
             self.accepted.append(0.0)
@@ -142,15 +144,20 @@ class CostSchedule:
 
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
                  draft_cost: dict[str, float]):
-        self.proposers = proposers
         self.k_max = k_max
         self.target_cost = dict(target_cost)  # s -> seconds
         self.draft_cost = dict(draft_cost)  # algorithm -> seconds per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
-        self.plain_streak = 0
         self.explored: dict[str, int] = {}  # algorithm -> rounds it drafted
-        self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds
+        self.rebind(proposers)
+
+    def rebind(self, proposers: dict[str, Proposer]) -> None:
+        """Start a new generation with new proposers, keeping what the costs and acceptance taught
+        (a pipeline keeps one schedule per sampling mode, so each generation starts informed)."""
+        self.proposers = proposers
         self._algo_of = {id(p): name for name, p in proposers.items()}
+        self.plain_streak = 0
+        self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds of this generation
 
     def _rate(self, algo: str, m: int) -> float:
         cost = self.target_cost[m + 1] + m * self.draft_cost[algo]
@@ -186,7 +193,15 @@ class CostSchedule:
             return
         algo = self._algo_of[id(plan.proposer)]
         self.explored[algo] = self.explored.get(algo, 0) + 1
-        self.draft_cost[algo] += COST_WEIGHT * (draft_s / proposed - self.draft_cost[algo])
+        # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
+        # plain steps): that cost is paid once whatever the draft length, so it must not make every
+        # later draft look dearer.
+        per_token = max(0.0, draft_s - plan.proposer.drafter.catch_up_s) / proposed
+        self.draft_cost[algo] += COST_WEIGHT * (per_token - self.draft_cost[algo])
+        # Every algorithm forgets, not only the one that drafted: one that lost on a few early drafts
+        # drifts back towards the prior and is tried again later.
+        for acc in self.acceptance.values():
+            acc.decay()
         self.acceptance[algo].update(proposed, accepted)
 
     def summary(self) -> dict:

@@ -147,6 +147,9 @@ class Pipeline:
         self.notes = notes or []
         self._costs: tuple[dict[int, float], float] | None = None  # calibrated by costs()
         self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
+        # The cost schedule of each sampling mode and set of algorithms, kept between generations: its
+        # cost and acceptance estimates carry over, so a generation does not start from the prior.
+        self._cost_schedules: dict[tuple, CostSchedule] = {}
 
     @classmethod
     def from_folder(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
@@ -244,8 +247,13 @@ class Pipeline:
             return DiscoSchedule(StaticSchedule(proposer, k), self.disco, state, names), k
         if name == "cost":
             k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_MAX_LOOKAHEAD
-            target, step = self.costs(k)
-            return CostSchedule(proposers, k, target, {a: step for a in proposers}), k
+            key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, tuple(proposers))
+            if key in self._cost_schedules:
+                self._cost_schedules[key].rebind(proposers)
+            else:
+                target, step = self.costs(k)
+                self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers})
+            return self._cost_schedules[key], k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
             raise UsageError(f"the {name} schedule drafts with one algorithm: name it with --algorithm")

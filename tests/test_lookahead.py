@@ -11,7 +11,8 @@ TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms p
 
 
 def schedule(draft_s: float, algos=("slem", "tli")) -> CostSchedule:
-    return CostSchedule({a: SimpleNamespace(name=a) for a in algos}, K, TARGET, {a: draft_s for a in algos})
+    proposers = {a: SimpleNamespace(name=a, drafter=SimpleNamespace(catch_up_s=0.0)) for a in algos}
+    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos})
 
 
 def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200) -> dict:

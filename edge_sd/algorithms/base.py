@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -76,12 +77,17 @@ class DrafterState:
         # draft another: DISCO's classifier, or a recorder of calibration traces. None: always.
         self.stopper: Callable[[np.ndarray, int], bool] | None = None
         self._position = 0
+        # This draft's catching up: seconds in forwards that fed more than one position (the prompt,
+        # or committed tokens the drafter had not seen). The cost schedule keeps it apart from the cost
+        # of a drafted token, which it must predict.
+        self.catch_up_s = 0.0
 
     def budget(self, k: int) -> int:
         """How many tokens may be drafted now: at most k, none past the drafter's maximum context, and
         none while the committed text has bytes the drafter could not take in (see `lagging`). A
         proposer asks it once, as a draft begins."""
         self._position = 0
+        self.catch_up_s = 0.0
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
 
     def keep_drafting(self, logits: np.ndarray) -> bool:
@@ -94,7 +100,10 @@ class DrafterState:
         the tokenizer's size (a padded LM head) are dropped: no proposer can pick a padding id."""
         pending = self.ids[self.engine.n_cached :]
         if pending:
+            start = time.perf_counter()
             self._last_logits = self.engine.forward(np.asarray(pending))[-1, : self.vocab.size]
+            if len(pending) > 1:
+                self.catch_up_s += time.perf_counter() - start
         assert self._last_logits is not None, "the drafter has no context to continue"
         return self._last_logits
 

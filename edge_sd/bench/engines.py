@@ -105,7 +105,7 @@ class GenaiRunner:
 
     def decode(self, prompt_ids: list[int], n: int) -> dict:
         assert self._proc.stdin and self._proc.stdout
-        self._proc.stdin.write(json.dumps({"ids": prompt_ids, "n": n}) + "\n")
+        self._proc.stdin.write(json.dumps({"ids": [int(i) for i in prompt_ids], "n": n}) + "\n")
         self._proc.stdin.flush()
         return json.loads(self._proc.stdout.readline())
 
