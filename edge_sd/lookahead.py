@@ -9,6 +9,7 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 - cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
   with a short probe every few plain steps so that a text where drafts start to pay is noticed;
+- confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5);
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model.
 """
 
@@ -75,6 +76,27 @@ class StaticSchedule:
 
     def summary(self) -> dict:
         return {}
+
+
+class ConfidenceSchedule(StaticSchedule):
+    """Confidence cut: a draft stops after a token drawn where the drafter's top probability (at
+    temperature 1) was below the threshold."""
+
+    name = "confidence"
+
+    def __init__(self, proposer: Proposer, k: int, threshold: float = 0.5):
+        super().__init__(proposer, k)
+        self.threshold = threshold
+        self.stopped = 0
+        proposer.drafter.stopper = self._keep_drafting
+
+    def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
+        keep = bool(token_features(logits, position, 0.0, "")[0] >= self.threshold)
+        self.stopped += not keep
+        return keep
+
+    def summary(self) -> dict:
+        return {"confidence": {"threshold": self.threshold, "stopped_early": self.stopped}}
 
 
 class HeuristicSchedule(StaticSchedule):

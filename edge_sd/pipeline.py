@@ -15,7 +15,14 @@ from edge_sd.algorithms.base import Proposer
 from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
-from edge_sd.lookahead import CostSchedule, DiscoSchedule, HeuristicSchedule, Schedule, StaticSchedule
+from edge_sd.lookahead import (
+    ConfidenceSchedule,
+    CostSchedule,
+    DiscoSchedule,
+    HeuristicSchedule,
+    Schedule,
+    StaticSchedule,
+)
 from edge_sd.loop import Decoder, Emitted
 from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
 from edge_sd.sampling import SamplingConfig
@@ -29,7 +36,7 @@ from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 DEFAULT_LOOKAHEAD = {"greedy": 2, "sample": 1}
 # The cost-aware schedule (auto) chooses each round's draft length in 0..this (or -k).
 DEFAULT_MAX_LOOKAHEAD = 6
-SCHEDULES = ("static", "heuristic", "cost", "disco")
+SCHEDULES = ("static", "heuristic", "confidence", "cost", "disco")
 # The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
 # and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS.
 CALIBRATION_CONTEXT = 64
@@ -260,6 +267,8 @@ class Pipeline:
         (proposer,) = proposers.values()
         if name == "heuristic":
             return HeuristicSchedule(proposer, k, max(k, DEFAULT_MAX_LOOKAHEAD)), k
+        if name == "confidence":
+            return ConfidenceSchedule(proposer, k), k
         return StaticSchedule(proposer, k), k
 
     def stream_events(self, prompt: str, config: GenerationConfig | None = None,

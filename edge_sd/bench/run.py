@@ -59,8 +59,9 @@ class BenchOptions:
             if m not in MODES:
                 raise UsageError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
         for sch in self.schedules:
-            if sch not in ("heuristic", "cost", "disco"):
-                raise UsageError(f"unknown schedule {sch!r} for the benchmark; choose from heuristic, cost, disco")
+            if sch not in ("heuristic", "confidence", "cost", "disco"):
+                raise UsageError(f"unknown schedule {sch!r} for the benchmark; choose from heuristic, confidence, "
+                                 "cost, disco")
 
 
 @dataclass(frozen=True)
