@@ -60,9 +60,10 @@ def test_encode_bytes_is_exact_continuation(name: str, text: str) -> None:
     data = text.encode("utf-8")
     ids = v.encode_bytes(data)
     if ids is None:
-        # Only where the tokenizer itself cannot spell the text (SmolLM2 lacks some lead bytes and
-        # maps them to its unknown token).
-        assert any(v.token_bytes[i] is None for i in v.encode_text(text))
+        # Only where the tokenizer itself cannot spell the text: SmolLM2 lacks some lead bytes and maps
+        # them to its unknown token, and normalizers rewrite some characters (Qwen3's NFC turns the
+        # compatibility ideograph U+F900 into U+8C48).
+        assert v.ids_bytes(v.encode_text(text)) != data
     else:
         assert v.ids_bytes(ids) == data
 
