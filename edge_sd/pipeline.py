@@ -30,10 +30,10 @@ from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
-# Settled by the real-pair benchmark (README, "Measured"): the fastest k of the algorithm `auto` picks,
-# greedy (SLEM) at k=2, sampling (SLRS) at k=1. Drafting costs about half a target step on the CPU
-# machines, so longer drafts lose more to drafting than they win in accepted tokens.
-DEFAULT_LOOKAHEAD = {"greedy": 2, "sample": 1}
+# Settled by the real-pair benchmark on the builder engines (README, "Measured"): greedy SLEM is fastest
+# at k=3 (1.22x plain decoding; SLRS and TLI at k=1-2), sampling TLI and SLRS at k=1 (0.94x: a
+# drafted token costs a quarter of a target step whether or not it is accepted).
+DEFAULT_LOOKAHEAD = {"greedy": 3, "sample": 1}
 # The cost-aware schedule (auto) chooses each round's draft length in 0..this (or -k).
 DEFAULT_MAX_LOOKAHEAD = 6
 SCHEDULES = ("static", "heuristic", "confidence", "cost", "disco")

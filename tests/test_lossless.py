@@ -419,7 +419,7 @@ def test_default_lookahead_of_named_algorithms(pipelines) -> None:
     schedule change it."""
     cross, same = pipelines["gemma_qwen"], pipelines["llama_same"]
     greedy = cross.generate("The cat", GenerationConfig(max_new_tokens=8, algorithm="slem")).stats
-    assert (greedy.algorithm, greedy.lookahead) == ("slem", 2)
+    assert (greedy.algorithm, greedy.lookahead) == ("slem", 3)
     sampled = cross.generate("The cat", GenerationConfig(max_new_tokens=8, temperature=1.0, seed=0,
                                                          algorithm="slrs")).stats
     assert (sampled.algorithm, sampled.lookahead) == ("slrs", 1)
@@ -427,7 +427,7 @@ def test_default_lookahead_of_named_algorithms(pipelines) -> None:
     explicit = cross.generate("The cat", GenerationConfig(max_new_tokens=8, algorithm="tli", lookahead=4)).stats
     assert explicit.lookahead == 4 and explicit.proposed <= 4 * explicit.target_forwards
     heuristic = cross.generate("The cat", GenerationConfig(max_new_tokens=24, algorithm="tli", schedule="heuristic"))
-    assert max(heuristic.stats.rounds_by_drafts) > 2  # grew after fully accepted rounds
+    assert max(heuristic.stats.rounds_by_drafts) > 3  # grew after fully accepted rounds
 
 
 @pytest.mark.parametrize("algo", ALGOS)
