@@ -51,9 +51,9 @@ class Schedule(Protocol):
         ...
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         """What the round proposed and accepted (and the bytes the accepted candidates spell), and what
-        its target forward and its drafting cost."""
+        its target forward, its drafting and the rest of it (verification, text, drafter sync) cost."""
         ...
 
     def summary(self) -> dict:
@@ -71,7 +71,7 @@ class StaticSchedule:
         return Plan(self.proposer, min(self.k, budget) if self.proposer else 0)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         pass
 
     def summary(self) -> dict:
@@ -107,7 +107,7 @@ class HeuristicSchedule(StaticSchedule):
         self.k_max = k_max
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         if proposed:
             self.k = min(self.k_max, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
@@ -171,6 +171,9 @@ class CostSchedule:
         self.draft_cost = dict(draft_cost)  # algorithm -> seconds per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
         self.explored: dict[str, int] = {}  # algorithm -> rounds it drafted
+        # The rest of a round (verification, warping p, the text, syncing the drafter), which a round
+        # that drafts pays more of than a plain step; learnt online from 0.
+        self.other_cost = {"plain": 0.0, "draft": 0.0}
         self.rebind(proposers)
 
     def rebind(self, proposers: dict[str, Proposer]) -> None:
@@ -182,12 +185,12 @@ class CostSchedule:
         self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds of this generation
 
     def _rate(self, algo: str, m: int) -> float:
-        cost = self.target_cost[m + 1] + m * self.draft_cost[algo]
+        cost = self.target_cost[m + 1] + m * self.draft_cost[algo] + self.other_cost["draft"]
         return self.acceptance[algo].expected_tokens(m) / cost
 
     def plan(self, budget: int) -> Plan:
         k = min(self.k_max, budget)
-        best_algo, best_m, best = None, 0, 1.0 / self.target_cost[1]
+        best_algo, best_m, best = None, 0, 1.0 / (self.target_cost[1] + self.other_cost["plain"])
         for algo in self.proposers:
             for m in range(1, k + 1):
                 rate = self._rate(algo, m)
@@ -207,10 +210,12 @@ class CostSchedule:
         return Plan(self.proposers[best_algo] if best_algo else None, best_m)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         s = proposed + 1
         if s in self.target_cost:
             self.target_cost[s] += COST_WEIGHT * (target_s - self.target_cost[s])
+        kind = "draft" if proposed else "plain"
+        self.other_cost[kind] += COST_WEIGHT * (other_s - self.other_cost[kind])
         if plan.proposer is None or not proposed:
             return
         algo = self._algo_of[id(plan.proposer)]
@@ -231,6 +236,7 @@ class CostSchedule:
             "rounds": dict(sorted(self.rounds.items())),
             "target_ms": {s: round(1e3 * c, 2) for s, c in sorted(self.target_cost.items())},
             "draft_ms_per_token": {a: round(1e3 * c, 2) for a, c in self.draft_cost.items()},
+            "other_ms": {k: round(1e3 * c, 2) for k, c in self.other_cost.items()},
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }
@@ -261,10 +267,10 @@ class DiscoSchedule:
         return plan
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         if proposed:
             self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)
-        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes)
+        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
 
     def summary(self) -> dict:
         return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}
@@ -298,7 +304,7 @@ class TraceRecorder(StaticSchedule):
         return super().plan(budget)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0) -> None:
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         if not self._features:
             return
         labels = [int(end <= accepted_bytes) for end in self._ends]

@@ -54,6 +54,7 @@ class Decoder:
         self._prefill(committed, stats)
         drafter_time0, drafter_calls0 = self._drafter_counters()
         while not stream.done:
+            round_start = time.perf_counter()
             n = len(committed)
             if n > max_ctx:  # plain decoding emits one token past the last cached position, no more
                 break
@@ -76,14 +77,18 @@ class Decoder:
                 q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
                 a, nxt = verify(cands, q, warp(logits, self.cfg), self.rng)
             target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
-            self.schedule.observe(plan, len(cands), a, target_s, draft_s, len(stream.vocab.ids_bytes(cands[:a])))
             stats.count_round(len(cands), a, target_s)
             new, text = stream.push(cands[:a] + [nxt])
             committed += new
+            rest_s = time.perf_counter() - round_start - target_s - draft_s
             if new or text:
-                yield Emitted(new, text)
+                yield Emitted(new, text)  # the consumer's time is not the round's
+            start = time.perf_counter()
             if self.drafter is not None and not stream.done:
                 self.drafter.sync(stream.generated)
+            rest_s += time.perf_counter() - start
+            self.schedule.observe(plan, len(cands), a, target_s, draft_s, len(stream.vocab.ids_bytes(cands[:a])),
+                                  rest_s)
         tail = stream.finish("context")
         if tail:
             yield Emitted([], tail)
