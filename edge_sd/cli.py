@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +61,12 @@ def export(
         "optimum exports. auto takes the builder where it handles the model."),
     device: str = typer.Option("cpu", "--device", help="What the builder's graph is made for: cpu or cuda "
                                "(fp16 and int4 graphs for NVIDIA GPUs)."),
+    vocab_keep: Optional[float] = typer.Option(
+        None, "--drafter-vocab-keep", help="Prune the drafter's LM head to this fraction of its vocabulary "
+        "(target twins first, then by corpus frequency) and build the RDK kernel (-a rdk)."),
+    corpus: Optional[list[Path]] = typer.Option(
+        None, "--vocab-corpus", help="Text file(s) to rank tokens on, one domain each [300 news articles "
+        "and gensim's Python sources, from the package registries]."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the parity checks (not advised)."),
     force: bool = typer.Option(False, "--force", "-f", help="Replace an existing folder."),
 ) -> None:
@@ -76,6 +83,8 @@ def export(
       edge-sd export -t ./hf-folder --precision fp16 --device cuda -o engines/gpu
 
       edge-sd export -t ./hf-folder --exporter optimum      # an architecture the builder lacks
+
+      edge-sd export -t target.gguf -d drafter.gguf --drafter-vocab-keep 0.25   # then: generate -a rdk
     """
     with _errors():
         try:
@@ -102,9 +111,17 @@ def export(
                     progress.update(task, total=1, completed=1)
                     progress.stop_task(task)
 
+            if vocab_keep is not None and drafter is None:
+                raise UsageError("--drafter-vocab-keep prunes a drafter: give one with --drafter")
             summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step,
-                                drafter_opts=drafter_opts)
+                                drafter_opts=drafter_opts, vocab_keep=vocab_keep, corpus=corpus,
+                                cache=_cache())
         _print_export_summary(summary)
+
+
+def _cache() -> Path:
+    """Where downloads and prompt sets are kept between runs."""
+    return Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
 
 
 def _print_export_summary(summary: dict) -> None:
@@ -143,7 +160,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same output."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
-    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk."),
     lookahead: Optional[int] = typer.Option(
         None, "--lookahead", "-k", help="Drafted tokens per target forward [3 greedy, 1 sampling]; with the "
         "cost schedule the longest draft [6]."),
@@ -278,8 +295,6 @@ def calibrate(
 
       edge-sd calibrate engines/pair --prompts my-prompts.jsonl -k 8
     """
-    import os
-
     with _errors():
         from edge_sd.bench import prompts as prompt_sets
         from edge_sd.calibrate import calibrate as run_calibration
@@ -289,12 +304,12 @@ def calibrate(
         if prompts is not None:
             texts = read_prompts(prompts)
         else:
-            cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+            cache = _cache()
             texts = [p.text for s in prompt_sets.SETS for p in prompt_sets.load(s, cache, per_set)]
         pipe = Pipeline.from_folder(folder, threads=threads)
         algos = tuple(a for a in algorithms.split(",") if a)
         for a in algos:
-            if a not in ("standard", "slem", "tli", "slrs"):
+            if a not in ("standard", "slem", "tli", "slrs", "rdk"):
                 raise UsageError(f"unknown algorithm {a!r}")
         found = run_calibration(pipe, folder, texts, algos, k, max_new_tokens, temperature,
                                 progress=lambda msg: err.print(msg, highlight=False))
@@ -350,8 +365,6 @@ def bench(
 
       edge-sd bench engines/gemma3-270m_smollm2-135m --engines --quick
     """
-    import os
-
     if engines:
         return _bench_engines(folder, per_set, max_new_tokens, "3" if k == "1-8" else k, threads, quick, out_dir)
     with _errors():
@@ -360,7 +373,7 @@ def bench(
         from edge_sd.bench import report
         from edge_sd.bench.run import BenchOptions, configs, run
 
-        cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+        cache = _cache()
         opts = BenchOptions(
             pair=folder, cache=cache, per_set=per_set, max_new_tokens=max_new_tokens,
             ks=_int_list(k, "-k"), algorithms=tuple(a for a in algorithms.split(",") if a),
@@ -397,8 +410,6 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
                    out_dir: Path) -> None:
     """`bench --engines`: the pair's target and drafter (or one engine folder) against onnxruntime-genai."""
     import datetime
-    import os
-
     with _errors():
         from edge_sd.bench import engine_report, prompts
         from edge_sd.bench.engines import EngineCase, EngineOptions, run
@@ -414,7 +425,7 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
                      EngineCase("drafter", folder / pm.drafter, min_step=1)]  # as the pair runs it
         else:
             cases = [EngineCase(folder.name, folder)]
-        cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+        cache = _cache()
         per_set, max_new_tokens, repeats = (1, 24, 5) if quick else (per_set, max_new_tokens, 20)
         texts = [p.text for s in prompts.SETS for p in prompts.load(s, cache, per_set)]
         opts = EngineOptions(cases=cases, prompts=texts, k=ks[0], new_tokens=max_new_tokens, repeats=repeats,

@@ -79,6 +79,9 @@ class EngineManifest:
     min_step_positions: int = 1
     export_path: str = "optimum"
     exporter: dict[str, str] = field(default_factory=dict)
+    # A drafter whose LM head keeps only some rows (export --drafter-vocab-keep): an .npy file of int64
+    # drafter ids, one per logits column, ascending. None: column i is token id i.
+    kept_ids_file: str | None = None
     files: list[FileEntry] = field(default_factory=list)
     validation: dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +99,9 @@ class PairManifest:
     target_tokenizer_sha256: str
     drafter_tokenizer_sha256: str
     stats: dict[str, Any] = field(default_factory=dict)
+    # RDK's kernel M (export --drafter-vocab-keep): an .npz of rows (drafter ids), cols (target ids) and
+    # vals, a sparse row-stochastic matrix in coordinate form.
+    rdk_file: str | None = None
 
 
 def sha256_file(path: Path) -> str:
@@ -182,7 +188,11 @@ def load_pair_manifest(folder: Path) -> PairManifest:
 def save(obj: EngineManifest | PairManifest, folder: Path) -> Path:
     name = ENGINE_FILE if isinstance(obj, EngineManifest) else PAIR_FILE
     path = Path(folder) / name
-    path.write_text(json.dumps(dataclasses.asdict(obj), indent=2, ensure_ascii=False) + "\n")
+    # Written aside and renamed: a reader never sees half a manifest, and a folder whose files are hard
+    # links to another (a copied pair) gets its own manifest instead of rewriting the other's.
+    tmp = path.with_name(name + ".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(obj), indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
     return path
 
 

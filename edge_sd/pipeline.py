@@ -12,6 +12,7 @@ import numpy as np
 
 from edge_sd.algorithms import ALGORITHMS, DrafterState, MappedProposer, SLEMProposer, SLRSProposer, TLIProposer
 from edge_sd.algorithms.base import Proposer
+from edge_sd.algorithms.rdk import Kernel, RDKProposer
 from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
@@ -105,6 +106,7 @@ class _Side:
                                 min_step_positions=1 if drafter else None)
         self.manifest: EngineManifest = self.engine.manifest
         self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
+        self.kept = _kept_ids(folder, self.manifest, self.vocab.size)
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         m = self.manifest
@@ -154,6 +156,7 @@ class Pipeline:
         self.notes = notes or []
         self._costs: tuple[dict[int, float], float] | None = None  # calibrated by costs()
         self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
+        self.kernel: Kernel | None = None  # RDK's kernel M (export --drafter-vocab-keep)
         # The cost schedule of each sampling mode and set of algorithms, kept between generations: its
         # cost and acceptance estimates carry over, so a generation does not start from the prior.
         self._cost_schedules: dict[tuple, CostSchedule] = {}
@@ -172,6 +175,7 @@ class Pipeline:
             maps, notes = _load_maps(folder, pm, target, drafter)
             pipe = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
             pipe.disco = DiscoModel.load(folder)
+            pipe.kernel = Kernel.load(folder / pm.rdk_file) if pm.rdk_file else None
             return pipe
         if (folder / ENGINE_FILE).is_file():
             return cls(_Side(folder, provider, threads, verify))
@@ -184,6 +188,8 @@ class Pipeline:
             return "ar" if self.drafter is None else "auto"
         if algo != "ar" and self.drafter is None:
             raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
+        if algo == "rdk" and self.kernel is None:
+            raise UsageError("--algorithm rdk needs the pair's RDK kernel: export the pair with --drafter-vocab-keep")
         if algo == "standard" and not self.same_vocab:
             raise UsageError(
                 "--algorithm standard needs one vocabulary for target and drafter; these differ "
@@ -197,7 +203,9 @@ class Pipeline:
             return ()
         if algo != "auto":
             return (algo,)
-        return ("standard",) if self.same_vocab else ("slem", "tli", "slrs")
+        if self.same_vocab:
+            return ("standard",)
+        return ("slem", "tli", "slrs", "rdk") if self.kernel is not None else ("slem", "tli", "slrs")
 
     def _proposers(self, algos: tuple[str, ...], cfg: SamplingConfig, rng: np.random.Generator,
                    state: DrafterState) -> dict[str, Proposer]:
@@ -215,6 +223,9 @@ class Pipeline:
                 return TLIProposer(state, maps.intersection, width, cfg, rng, target.eos_ids)
             if algo == "slem":
                 return SLEMProposer(state, target, drafter.vocab.eos_ids)
+            if algo == "rdk":
+                assert self.kernel is not None
+                return RDKProposer(state, self.kernel, maps.intersection, target, width, cfg, rng)
             return SLRSProposer(state, target, maps.prefix, width, cfg, rng)
 
         return {a: make(a) for a in algos}
@@ -299,7 +310,7 @@ class Pipeline:
             d_ids = self.drafter.prompt_ids(prompt, cfg.chat and bool(self.drafter.manifest.chat_template))
             # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
             if 0 < len(d_ids) < self.drafter.manifest.max_context:
-                state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids)
+                state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids, self.drafter.kept)
                 proposers = self._proposers(self.candidates(algo), sampling, rng, state)
         schedule, k = self._schedule(algo, cfg, proposers, state, sampling.greedy)
         if make_schedule is not None and proposers:
@@ -353,6 +364,19 @@ def _load_maps(folder: Path, pm: Any, target: _Side, drafter: _Side) -> tuple[Vo
         why = "missing" if path is None or not path.is_file() else "stale (tokenizers changed)"
         notes.append(f"vocabulary maps {why}; rebuilt them in memory")
     return build_maps(drafter.vocab, target.vocab), notes
+
+
+def _kept_ids(folder: Path, m: EngineManifest, size: int) -> np.ndarray | None:
+    """A pruned LM head's drafter ids (manifest `kept_ids_file`), checked against the logits width."""
+    if not m.kept_ids_file:
+        return None
+    try:
+        kept = np.load(folder / m.kept_ids_file).astype(np.int64)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{folder / m.kept_ids_file}: unreadable ({e})") from None
+    if kept.ndim != 1 or len(kept) != m.logits_width or (kept < 0).any() or (kept >= size).any():
+        raise ArtifactError(f"{folder / m.kept_ids_file}: expected {m.logits_width} drafter ids below {size}")
+    return kept
 
 
 def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, s: int) -> float:

@@ -42,6 +42,14 @@ PAIRS = {
     "llama_qwen_mixed": ("bl_llama_opt", "bl2_qwen"),  # an optimum target, a builder drafter
     "padded": ("bl_llama_padded", "bl2_qwen_padded"),  # padded LM heads on both sides
 }
+# Pairs whose drafter's LM head is pruned to a fraction of its vocabulary, with RDK's kernel (built from
+# the tiny corpus): pair name -> (pair it copies, kept fraction). 1.0 builds the kernel, prunes nothing.
+PRUNED = {
+    "gemma_qwen_keep50": ("gemma_qwen", 0.5),  # builder graphs: a MatMul head
+    "gemma_qwen_opt_keep50": ("gemma_qwen_opt", 0.5),  # optimum, tied: a Transpose of the embedding
+    "llama_sp2_keep25": ("llama_sp2", 0.25),
+    "llama_qwen_keep100": ("llama_qwen", 1.0),
+}
 CROSS_PAIRS = ("gemma_qwen", "llama_sp2", "gemma_sp2", "llama_qwen", "gemma_qwen_opt", "llama_qwen_mixed")
 
 
@@ -63,6 +71,7 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """
     from edge_sd.export.hf import ExportOptions, export_engine
     from edge_sd.export.pair import write_pair
+    from edge_sd.export.prune import prune_pair
     from edge_sd.manifest import load_engine_manifest
 
     cache = os.environ.get("EDGE_SD_TEST_CACHE")
@@ -95,6 +104,11 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(root / "engines" / t, folder / "target")
         shutil.copytree(root / "engines" / d, folder / "drafter")
         write_pair(folder, load_engine_manifest(folder / "target"), load_engine_manifest(folder / "drafter"))
+    for pair, (src, fraction) in PRUNED.items():
+        folder = root / "pairs" / pair
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(root / "pairs" / src, folder)
+        prune_pair(folder, fraction, ["\n".join(tiny.corpus())])
     (root / "done").touch()
     return root
 
@@ -104,4 +118,5 @@ def pipelines(tiny_root: Path):
     """Loaded Pipeline of every pair (2 threads: the CI machine's cores)."""
     from edge_sd import Pipeline
 
-    return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider="cpu", threads=2) for name in PAIRS}
+    return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider="cpu", threads=2)
+            for name in [*PAIRS, *PRUNED]}

@@ -116,6 +116,7 @@ def test_bad_options(tiny_root: Path) -> None:
     assert_clean_error(run("generate", pair, "-p", "x", "--provider", "tensorrt"), "not available")
     assert_clean_error(run("generate", pair, "-p", "x", "-a", "magic"), "unknown algorithm")
     assert_clean_error(run("generate", pair, "-p", "x", "-a", "standard"), "one vocabulary")
+    assert_clean_error(run("generate", pair, "-p", "x", "-a", "rdk"), "--drafter-vocab-keep")
     assert_clean_error(run("generate", pair, "-p", "x", "--top-p", "0"), "top_p")
     assert_clean_error(run("generate", str(tiny_root / "engines" / "bl_llama"), "-p", "x", "-a", "tli"),
                        "pair folder")
@@ -127,4 +128,23 @@ def test_export_bad_inputs(tmp_path: Path) -> None:
     assert_clean_error(run("export", "-t", "./nowhere/model", "-o", str(tmp_path / "o")), "not found")
     assert_clean_error(run("export", "-t", "x", "--precision", "fp8", "-o", str(tmp_path / "o")),
                        "unknown precision")
+    assert_clean_error(run("export", "-t", "x", "--drafter-vocab-keep", "0.5", "-o", str(tmp_path / "o")),
+                       "give one with --drafter")
     assert not (tmp_path / "o").exists()
+
+
+def test_export_pruned_pair_from_the_cli(tiny_root: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("The cat reads a long story.\ndef add(a, b):\n    return a + b\n", encoding="utf-8")
+    hf = tiny_root / "hf"
+    out = tmp_path / "pair"
+    args = ("export", "-t", str(hf / "bl_llama"), "-d", str(hf / "bl2_qwen"), "-o", str(out), "--no-validate")
+    assert_clean_error(run(*args, "--drafter-vocab-keep", "1.5", "--vocab-corpus", str(corpus)), "(0, 1]")
+    assert_clean_error(run(*args, "--drafter-vocab-keep", "0.5", "--vocab-corpus", str(tmp_path / "no.txt")),
+                       "not found")
+    assert not out.exists()  # nothing half-written
+    r = run(*args, "--drafter-vocab-keep", "0.5", "--vocab-corpus", str(corpus))
+    assert r.exit_code == 0, r.output
+    r = run("generate", str(out), "-p", "The cat", "-n", "8", "-a", "rdk", "-k", "2", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["algorithm"] == "rdk"

@@ -191,3 +191,33 @@ def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
         for algo in ("slem", "tli", "slrs"):
             spec = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm=algo, lookahead=3))
             assert spec.token_ids == plain, (algo, prompt)
+
+
+def test_pair_with_pruned_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
+    """--drafter-vocab-keep on a MatMulNBits (int4) head, with a corpus file: the export prunes the
+    head, writes the kernel, and every algorithm, RDK too, still equals plain decoding."""
+    import numpy as np
+
+    from edge_sd import GenerationConfig, Pipeline
+    from edge_sd.export.hf import ExportOptions
+    from edge_sd.export.pair import export
+    from edge_sd.manifest import load_pair_manifest
+
+    import tiny
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(tiny.corpus()), encoding="utf-8")
+    out = tmp_path / "pair"
+    summary = export(str(tiny_root / "hf" / "sp_gemma"), str(tiny_root / "hf" / "bl2_qwen"), out, ExportOptions(),
+                     drafter_opts=ExportOptions(precision="int4"), vocab_keep=0.4, corpus=[corpus])
+    drafter = load_engine_manifest(out / "drafter")
+    kept = np.load(out / "drafter" / drafter.kept_ids_file)
+    assert drafter.precision == "int4" and drafter.logits_width == len(kept) == round(0.4 * 384)
+    assert summary["pair"]["pruned_head_max_rel_diff"] <= 1e-4
+    assert load_pair_manifest(out).rdk_file == "rdk.npz"
+    pipe = Pipeline.from_folder(out, provider="cpu", threads=2, verify=True)
+    for prompt in ("The cat", "def add(a, b):", "café naïve"):
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm="ar")).token_ids
+        for algo in ("slem", "tli", "slrs", "rdk"):
+            spec = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm=algo, lookahead=3))
+            assert spec.token_ids == plain, (algo, prompt)

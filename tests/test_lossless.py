@@ -13,7 +13,7 @@ import pytest
 from edge_sd import GenerationConfig, Pipeline
 from edge_sd.sampling import SamplingConfig, warp
 
-from conftest import CROSS_PAIRS
+from conftest import CROSS_PAIRS, PRUNED
 
 PROMPTS = [
     "The cat", "A small robot reads", "Every engineer ", "The old river sees the", "My friend builds",
@@ -97,6 +97,14 @@ def test_greedy_equals_plain(pipelines, references, pair: str, algo: str, k: int
         accepted += r.stats.accepted
     assert proposed > 0  # the drafter did draft: this was not plain decoding in disguise
     assert 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("pair", PRUNED)
+@pytest.mark.parametrize("algo", (*ALGOS, "rdk"))
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_pruned_drafters_greedy_equals_plain(pipelines, references, pair: str, algo: str, k: int) -> None:
+    """A drafter with a pruned LM head, every algorithm and RDK's kernel: plain decoding's output."""
+    test_greedy_equals_plain(pipelines, references, pair, algo, k)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -185,7 +193,9 @@ def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "
     ("gemma_qwen", "tli", "T1-top4"), ("gemma_qwen", "slrs", "T1-top4"), ("llama_sp2", "slem", "T1-top4"),
     ("llama_sp2", "slrs", "T1-top4"), ("llama_same", "standard", "T1-top4"), ("gemma_qwen", "ar", "T1-top4"),
     ("gemma_qwen", "tli", "T0.7-top_p0.6"), ("llama_sp2", "slrs", "T0.7-top_p0.6"),
-    ("llama_sp2", "slem", "T0.7-top_p0.6"),
+    ("llama_sp2", "slem", "T0.7-top_p0.6"), ("gemma_qwen_keep50", "rdk", "T1-top4"),
+    ("llama_sp2_keep25", "rdk", "T0.7-top_p0.6"), ("llama_qwen_keep100", "rdk", "T1-top4"),
+    ("gemma_qwen_keep50", "tli", "T1-top4"),
 ])
 def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str, warp_name: str) -> None:
     tv, bound, accepted, outside = two_token_tv(pipelines[pair], algo, WARPS[warp_name])

@@ -1,14 +1,15 @@
 """Proposers and verifiers, one module per algorithm of ALGORITHMS.md."""
 
 from edge_sd.algorithms.base import Draft, DrafterState, Proposer
+from edge_sd.algorithms.rdk import Kernel, RDKProposer
 from edge_sd.algorithms.slem import SLEMProposer, verify_exact
 from edge_sd.algorithms.slrs import SLRSProposer
 from edge_sd.algorithms.standard import MappedProposer, TLIProposer, verify_greedy, verify_standard
 
 # "ar" is plain autoregressive decoding of the target; "auto" is resolved by the pipeline.
-ALGORITHMS = ("auto", "ar", "standard", "slem", "tli", "slrs")
+ALGORITHMS = ("auto", "ar", "standard", "slem", "tli", "slrs", "rdk")
 
 __all__ = [
-    "ALGORITHMS", "Draft", "DrafterState", "MappedProposer", "Proposer", "SLEMProposer",
+    "ALGORITHMS", "Draft", "DrafterState", "Kernel", "RDKProposer", "MappedProposer", "Proposer", "SLEMProposer",
     "SLRSProposer", "TLIProposer", "verify_exact", "verify_greedy", "verify_standard",
 ]

@@ -65,9 +65,11 @@ class DrafterState:
     are in the KV cache; the rest are fed on the next forward.
     """
 
-    def __init__(self, engine: Engine, vocab: Vocab, prompt_ids: list[int]):
+    def __init__(self, engine: Engine, vocab: Vocab, prompt_ids: list[int], kept: np.ndarray | None = None):
+        """kept: the drafter id of each logits column of a pruned LM head (None: column i is id i)."""
         self.engine = engine
         self.vocab = vocab
+        self.kept = kept
         self.ids = list(prompt_ids)
         self.n_prompt = len(prompt_ids)
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
@@ -97,11 +99,18 @@ class DrafterState:
 
     def next_logits(self) -> np.ndarray:
         """Drafter logits [V_d] for the token after `ids`, feeding what is not cached yet. Columns past
-        the tokenizer's size (a padded LM head) are dropped: no proposer can pick a padding id."""
+        the tokenizer's size (a padded LM head) are dropped: no proposer can pick a padding id. A
+        pruned head's logits are spread over drafter ids, -inf where a row was cut: every proposer
+        then drafts from the kept tokens alone, with no map of its own."""
         pending = self.ids[self.engine.n_cached :]
         if pending:
             start = time.perf_counter()
-            self._last_logits = self.engine.forward(np.asarray(pending))[-1, : self.vocab.size]
+            out = self.engine.forward(np.asarray(pending))[-1]
+            if self.kept is None:
+                self._last_logits = out[: self.vocab.size]
+            else:
+                self._last_logits = np.full(self.vocab.size, -np.inf, dtype=out.dtype)
+                self._last_logits[self.kept] = out[: len(self.kept)]
             if len(pending) > 1:
                 self.catch_up_s += time.perf_counter() - start
         assert self._last_logits is not None, "the drafter has no context to continue"

