@@ -327,6 +327,14 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         raise UsageError(f"{flag} takes a range like 1-8 or a list like 3,5; got {text!r}") from None
 
 
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    """'1,0.5,0.25' -> (1.0, 0.5, 0.25)."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag} takes a list of numbers like 1,0.5,0.25; got {text!r}") from None
+
+
 @app.command()
 def bench(
     folder: Path = typer.Argument(..., help="Pair folder from `edge-sd export`."),
@@ -349,6 +357,9 @@ def bench(
     no_auto: bool = typer.Option(False, "--no-auto", help="Skip edge-sd's auto (cost-aware) rows."),
     skip: int = typer.Option(0, "--skip", help="Start each prompt set after this many prompts (held-out "
                              "prompts after `edge-sd calibrate --per-set N`: --skip N)."),
+    keep: str = typer.Option("", "--keep", help="Also drafters pruned to these vocabulary fractions (0.5,0.25), "
+                             "with TLI and RDK at --keep-k; pruned copies of the pair go to $EDGE_SD_CACHE/pairs."),
+    keep_k: int = typer.Option(3, "--keep-k", help="Draft length of the pruned-drafter runs."),
     engines: bool = typer.Option(False, "--engines", help="Benchmark the engines instead: ms per forward "
                                  "of 1 and k+1 positions, cut-back, plain decoding against onnxruntime-genai."),
 ) -> None:
@@ -364,6 +375,8 @@ def bench(
       edge-sd bench engines/gemma3-270m_smollm2-135m --per-set 5 -k 1-8 -o benchmarks/results
 
       edge-sd bench engines/gemma3-270m_smollm2-135m --engines --quick
+
+      edge-sd bench engines/gemma3-270m_smollm2-135m -k 3 --keep 1,0.5,0.25,0.1   # + RDK, pruned drafters
     """
     if engines:
         return _bench_engines(folder, per_set, max_new_tokens, "3" if k == "1-8" else k, threads, quick, out_dir)
@@ -380,6 +393,7 @@ def bench(
             modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=not no_transformers,
             hf_dir=hf_dir or cache / "real" / "hf", hf_ks=_int_list(hf_k, "--hf-k"), seed=seed,
             auto=not no_auto, schedules=tuple(x for x in schedules.split(",") if x), skip=skip,
+            keeps=_float_list(keep, "--keep"), keep_k=keep_k,
         )
         if quick:
             opts = replace(opts, per_set=2, max_new_tokens=24, ks=(3,), hf_ks=(3,))

@@ -12,6 +12,7 @@ README_START = "<!-- real-pair-bench:start -->"
 README_END = "<!-- real-pair-bench:end -->"
 SPEEDUP_PNG = "real_pair_speedup.png"
 SPLIT_PNG = "real_pair_time_split.png"
+KEEP_PNG = "real_pair_pruned_acceptance.png"
 
 
 def prompt_set(prompt_id: str) -> str:
@@ -20,13 +21,14 @@ def prompt_set(prompt_id: str) -> str:
 
 
 def summarise(results: dict) -> list[dict]:
-    """One row per (mode, engine, algorithm, k, schedule), in the order the configurations ran."""
+    """One row per (mode, engine, algorithm, k, schedule, kept vocabulary), in the order they ran."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in results["records"]:
-        groups[(r["mode"], r["engine"], r["algorithm"], r["k"], r.get("schedule", "static"))].append(r)
+        key = (r["mode"], r["engine"], r["algorithm"], r["k"], r.get("schedule", "static"), r.get("keep", 1.0))
+        groups[key].append(r)
     plain = {(r["mode"], r["engine"], r["prompt"]): r for r in results["records"] if r["algorithm"] == "ar"}
     rows = []
-    for (mode, engine, algo, k, schedule), recs in groups.items():
+    for (mode, engine, algo, k, schedule, keep), recs in groups.items():
         tokens = sum(r["new_tokens"] for r in recs)
         wall = sum(r["wall_s"] for r in recs)
         target = sum(r["target_s"] for r in recs)
@@ -42,7 +44,8 @@ def summarise(results: dict) -> list[dict]:
             identical += r["token_ids"] == own["token_ids"]
         proposed = sum(r["proposed"] for r in recs)
         rows.append({
-            "mode": mode, "engine": engine, "algorithm": algo, "k": k, "schedule": schedule, "prompts": len(recs),
+            "mode": mode, "engine": engine, "algorithm": algo, "k": k, "schedule": schedule, "keep": keep,
+            "prompts": len(recs),
             "speedup_median_by_set": {name: statistics.median(v) for name, v in sorted(by_set.items())},
             "new_tokens": tokens,
             "tokens_per_s": tokens / wall if wall else 0.0,
@@ -70,6 +73,8 @@ def table(rows: list[dict], mode: str) -> str:
         per_set = " | ".join(f"{sets[s]:.2f}x" if s in sets else "" for s in ("code", "summarisation"))
         name = _algo_name(r["algorithm"]) + ("" if r.get("schedule", "static") in ("static", "cost")
                                              else f" ({r['schedule']})")
+        if r.get("keep", 1.0) < 1.0:
+            name += f", drafter vocab {r['keep']:.0%}"
         line = (f"| {r['engine']} | {name} | {r['k'] or ''} | {r['tokens_per_s']:.1f} "
                 f"| {r['speedup_median']:.2f}x | {per_set} | {acc} | {r['tokens_per_target_forward']:.2f} "
                 f"| {r['ms_per_token_target']:.1f} | {r['ms_per_token_drafter']:.1f} | {r['ms_per_token_other']:.1f} |")
@@ -103,8 +108,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         if auto:  # auto chooses its own k each round: a level, not a curve
             ax.axhline(auto[0]["speedup_median"], color="green", ls="--", lw=1.5, label="edge-sd auto (cost-aware)")
         for algo in ("slem", "tli", "slrs", "uag", "usd", "usd-unpruned"):
-            pts = sorted((r["k"], r["speedup_median"]) for r in mrows
-                         if r["algorithm"] == algo and r.get("schedule", "static") == "static")
+            pts = sorted((r["k"], r["speedup_median"]) for r in mrows if r["algorithm"] == algo
+                         and r.get("schedule", "static") == "static" and r.get("keep", 1.0) == 1.0)
             if pts:
                 hf = algo in ("uag", "usd", "usd-unpruned")
                 style = "--s" if hf else "-o"
@@ -142,7 +147,60 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     split = out / SPLIT_PNG
     fig.savefig(split, dpi=110)
     plt.close(fig)
-    return [speed, split]
+    return [speed, split] + ([keep_plot(rows, out, plt)] if _keep_rows(rows) else [])
+
+
+def _keep_rows(rows: list[dict]) -> list[dict]:
+    """TLI and RDK rows of the pruned-drafter runs, with the full drafter's TLI row at their k."""
+    pruned = [r for r in rows if r["engine"] == "edge-sd" and (r.get("keep", 1.0) < 1.0 or r["algorithm"] == "rdk")]
+    ks = {r["k"] for r in pruned}
+    full = [r for r in rows if r["engine"] == "edge-sd" and r["algorithm"] == "tli" and r.get("keep", 1.0) == 1.0
+            and r["k"] in ks and r.get("schedule", "static") == "static"]
+    return pruned + full
+
+
+def keep_plot(rows: list[dict], out: Path, plt) -> Path:
+    """Acceptance against the drafter's kept vocabulary fraction, TLI and RDK, each mode."""
+    krows = _keep_rows(rows)
+    modes = [m for m in ("greedy", "sample") if any(r["mode"] == m for r in krows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 3.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for algo, style in (("tli", "-o"), ("rdk", "-s")):
+            pts = sorted((r["keep"], r["acceptance"]) for r in krows
+                         if r["mode"] == mode and r["algorithm"] == algo and r["acceptance"] is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=_algo_name(algo))
+        ax.set_xscale("log")
+        ax.set_xlabel("drafter vocabulary kept (fraction, log scale)")
+        ax.set_ylabel("acceptance (accepted / drafted)")
+        ax.set_title(f"{mode} (T={'0' if mode == 'greedy' else '1'}), k={krows[0]['k']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / KEEP_PNG
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def keep_table(rows: list[dict], steps: dict[str, float]) -> str:
+    """Acceptance and speed of TLI and RDK per kept fraction, and the drafter's step time."""
+    krows = _keep_rows(rows)
+    lines = ["| drafter vocab kept | drafter step (ms, median) | mode | TLI acceptance | RDK acceptance "
+             "| TLI speedup | RDK speedup |", "|---|---|---|---|---|---|---|"]
+    for keep in sorted({r["keep"] for r in krows}, reverse=True):
+        step = steps.get(f"{keep:g}")
+        full = steps.get("1")
+        step_s = f"{step:.2f} ({step / full:.2f}x full)" if step and full else ""
+        for mode in ("greedy", "sample"):
+            got = {r["algorithm"]: r for r in krows if r["keep"] == keep and r["mode"] == mode}
+            if not got:
+                continue
+            acc = [f"{got[a]['acceptance']:.1%}" if a in got and got[a]["acceptance"] is not None else ""
+                   for a in ("tli", "rdk")]
+            spd = [f"{got[a]['speedup_median']:.2f}x" if a in got else "" for a in ("tli", "rdk")]
+            lines.append(f"| {keep:.0%} | {step_s} | {mode} | {acc[0]} | {acc[1]} | {spd[0]} | {spd[1]} |")
+    return "\n".join(lines)
 
 
 def markdown(results: dict, rows: list[dict], command: str, image_dir: str) -> str:
@@ -163,6 +221,11 @@ def markdown(results: dict, rows: list[dict], command: str, image_dir: str) -> s
             title = "Greedy (temperature 0)" if mode == "greedy" else "Sampling (temperature 1, seeded per prompt)"
             parts += [f"**{title}**", table(rows, mode)]
     parts += [f"![speedup against k]({image_dir}/{SPEEDUP_PNG})", f"![time split]({image_dir}/{SPLIT_PNG})"]
+    if _keep_rows(rows):
+        parts += ["**Pruned drafter vocabularies** (`--drafter-vocab-keep`; TLI and RDK at "
+                  f"k={_keep_rows(rows)[0]['k']}; the drafter step is one position after 64 cached, interleaved "
+                  "across the drafters, median of 40):", keep_table(rows, results.get("drafter_step_ms", {})),
+                  f"![acceptance against the kept vocabulary]({image_dir}/{KEEP_PNG})"]
     return "\n\n".join(parts)
 
 

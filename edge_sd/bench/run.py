@@ -14,8 +14,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from edge_sd.bench import prompts as prompt_sets
 from edge_sd.errors import UsageError
+from edge_sd.export.prune import pruned_copy
 from edge_sd.pipeline import GenerationConfig, Pipeline
 
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature of each mode
@@ -44,6 +47,10 @@ class BenchOptions:
     auto: bool = True  # also edge-sd's `auto` (cost-aware schedule over every algorithm)
     schedules: tuple[str, ...] = ()  # other lookahead schedules, for each algorithm at its first k
     skip: int = 0  # each set starts after this many prompts (held out from `edge-sd calibrate`)
+    # Drafters pruned to these fractions of their vocabulary (copies of the pair in cache/pairs/), each
+    # run with TLI and RDK at keep_k; their drafter steps are timed against the full drafter's.
+    keeps: tuple[float, ...] = ()
+    keep_k: int = 3
 
     def check(self) -> None:
         if self.per_set < 1 or self.max_new_tokens < 1:
@@ -58,6 +65,8 @@ class BenchOptions:
         for m in self.modes:
             if m not in MODES:
                 raise UsageError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if any(not 0.0 < f <= 1.0 for f in self.keeps) or self.keep_k < 1:
+            raise UsageError("--keep fractions must be in (0, 1] and --keep-k at least 1")
         for sch in self.schedules:
             if sch not in ("heuristic", "confidence", "cost", "disco"):
                 raise UsageError(f"unknown schedule {sch!r} for the benchmark; choose from heuristic, confidence, "
@@ -71,11 +80,18 @@ class Config:
     algorithm: str  # ar (plain decoding), auto, slem/tli/slrs, or uag/usd for transformers
     k: int  # 0: the default (auto: the longest draft it may choose)
     schedule: str = "static"
+    keep: float = 1.0  # the drafter's kept vocabulary fraction (below 1 or with rdk: a pruned copy)
 
     @property
     def label(self) -> str:
         sched = "" if self.schedule == "static" or self.algorithm == "auto" else f" {self.schedule}"
-        return f"{self.engine} {self.algorithm}{sched}" + (f" k={self.k}" if self.k else "")
+        kept = f" keep={self.keep:g}" if self.pruned else ""
+        return f"{self.engine} {self.algorithm}{sched}" + (f" k={self.k}" if self.k else "") + kept
+
+    @property
+    def pruned(self) -> bool:
+        """Whether it runs on a pruned copy of the pair (RDK needs one for its kernel, even at 1)."""
+        return self.keep < 1.0 or self.algorithm == "rdk"
 
 
 @dataclass
@@ -97,6 +113,7 @@ class Record:
     accepted: int
     token_ids: list[int] = field(default_factory=list)
     schedule: str = "static"
+    keep: float = 1.0
 
 
 def configs(opts: BenchOptions) -> list[Config]:
@@ -107,6 +124,9 @@ def configs(opts: BenchOptions) -> list[Config]:
             out.append(Config("edge-sd", mode, "auto", 0, "cost"))
         out += [Config("edge-sd", mode, a, k) for a in opts.algorithms for k in opts.ks]
         out += [Config("edge-sd", mode, a, opts.ks[0], sch) for sch in opts.schedules for a in opts.algorithms]
+        for f in opts.keeps:
+            out += [Config("edge-sd", mode, a, opts.keep_k, keep=f) for a in ("tli", "rdk")
+                    if a == "rdk" or f < 1.0]
         if opts.transformers:
             out.append(Config("transformers", mode, "ar", 0))
             out += [Config("transformers", mode, a, k) for a in HF_ASSISTED[mode] for k in opts.hf_ks]
@@ -145,6 +165,8 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
     # Plain decoding runs on the target folder alone, as `edge-sd generate PAIR/target` does: a lone
     # engine lets its threads spin between steps, which a pair must not (engines/ort.py).
     plain = Pipeline.from_folder(pipe.target.engine.folder, threads=opts.threads)
+    variants = {f: Pipeline.from_folder(pruned_copy(opts.pair, f, opts.cache), threads=opts.threads)
+                for f in opts.keeps}
     hf = None
     if opts.transformers:
         from edge_sd.bench.hf import HFPair
@@ -157,15 +179,19 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
     pipe.generate(warm, GenerationConfig(max_new_tokens=4, algorithm=opts.algorithms[0], lookahead=2))
     if opts.auto:  # also calibrates the cost model (once per pipeline), outside the timed runs
         pipe.generate(warm, GenerationConfig(max_new_tokens=4))
+    for v in variants.values():
+        v.generate(warm, GenerationConfig(max_new_tokens=4, algorithm="rdk", lookahead=2))
     if hf is not None:
         hf.generate(pipe.target.prompt_ids(warm, False), "greedy", "ar", 0, 4, 0)
+    drafter_steps = _drafter_steps(pipe, variants) if variants else {}
     records: list[Record] = []
     for i, prompt in enumerate(plist):
         seed = opts.seed + i
         ids = pipe.target.prompt_ids(prompt.text, False)  # transformers gets edge-sd's exact token ids
         for cfg in todo:
             if cfg.engine == "edge-sd":
-                rec = _run_edge(plain if cfg.algorithm == "ar" else pipe, prompt, cfg, opts.max_new_tokens, seed)
+                runner = plain if cfg.algorithm == "ar" else variants[cfg.keep] if cfg.pruned else pipe
+                rec = _run_edge(runner, prompt, cfg, opts.max_new_tokens, seed)
             else:
                 assert hf is not None
                 rec = hf.generate(ids, cfg.mode, cfg.algorithm, cfg.k, opts.max_new_tokens, seed)
@@ -179,8 +205,36 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         "machine": machine(),
         "prompts": [{"set": p.set, "id": p.id} for p in plist],
         "records": [asdict(r) for r in records],
+        "drafter_step_ms": drafter_steps,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+# A drafter step is timed after this many cached positions, interleaved across the drafters, this many
+# rounds (median): the full head's share of a step shows as the pruned drafters' saving.
+STEP_CONTEXT = 64
+STEP_ROUNDS = 40
+
+
+def _drafter_steps(pipe: Pipeline, variants: dict[float, Pipeline]) -> dict[str, float]:
+    """Median ms of one drafter step (one position) of the full drafter and of each pruned one."""
+    engines = {"1": pipe.drafter.engine} if pipe.drafter else {}
+    engines |= {f"{f:g}": v.drafter.engine for f, v in variants.items() if v.drafter and f < 1.0}
+    ids = np.arange(STEP_CONTEXT + 1) % 1000 + 3
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for e in engines.values():
+        e.reset()
+        e.reserve(STEP_CONTEXT + 1)
+        e.forward(ids[:STEP_CONTEXT])
+    for _ in range(STEP_ROUNDS):
+        for name, e in engines.items():
+            e.truncate(STEP_CONTEXT)
+            t0 = time.perf_counter()
+            e.forward(ids[STEP_CONTEXT:])
+            times[name].append(time.perf_counter() - t0)
+    for e in engines.values():
+        e.reset()
+    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
 
 
 def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
@@ -197,4 +251,5 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
         new_tokens=s.new_tokens, wall_s=wall, prefill_s=s.prefill_s,
         target_s=s.time_target_s + s.prefill_s, drafter_s=s.time_drafter_s,
         target_forwards=s.target_forwards, proposed=s.proposed, accepted=s.accepted, token_ids=res.token_ids,
+        keep=cfg.keep,
     )

@@ -268,3 +268,32 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
     }
     save(replace(pm, rdk_file=KERNEL_FILE, stats={**pm.stats, **stats}), folder)
     return stats
+
+
+def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
+    """A copy of a pair folder with its drafter pruned to `fraction` (and RDK's kernel), in
+    cache/pairs/, built once: files are hard links except those pruning rewrites. Rebuilt when the source
+    pair, the fraction or the default corpus changes (`.recipe`)."""
+    import hashlib
+
+    from edge_sd.export.atomic import atomic_folder
+
+    pair = Path(pair)
+    dest = Path(cache) / "pairs" / f"{pair.name}_keep{round(fraction * 100)}"
+    src_sums = hashlib.sha256(b"".join((pair / f).read_bytes() for f in ("pair.json", "drafter/engine.json")))
+    corpus = ",".join(s.sha256[:12] for s in DEFAULT_CORPUS)
+    recipe = f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} extension_weight={EXTENSION_WEIGHT}\n"
+    if (dest / ".recipe").is_file() and (dest / ".recipe").read_text() == recipe:
+        return dest
+    with atomic_folder(dest, force=True) as tmp:
+        for f in pair.rglob("*"):
+            if f.is_file() and f.name != ".recipe" and "trt_cache" not in f.parts:
+                to = tmp / f.relative_to(pair)
+                to.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(f, to)
+                except OSError:  # another filesystem
+                    shutil.copy2(f, to)
+        prune_pair(tmp, fraction, corpus_texts(None, cache))
+        (tmp / ".recipe").write_text(recipe)
+    return dest
