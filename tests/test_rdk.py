@@ -15,7 +15,7 @@ from test_verifiers import N, V, dists, first_tokens, tv, tv_bound
 from edge_sd.algorithms.rdk import Kernel, twins_of_targets
 from edge_sd.algorithms.standard import verify_standard
 from edge_sd.errors import UsageError
-from edge_sd.export.prune import build_kernel, choose_kept, frequencies, prune_pair
+from edge_sd.export.prune import _acceptance, build_kernel, calibration_samples, choose_kept, frequencies, prune_pair
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.sampling import sample
 from edge_sd.vocab import Vocab, VocabMaps
@@ -93,22 +93,32 @@ def test_kept_tokens_twins_first_by_frequency(vocabs) -> None:
             choose_kept(maps, dv, freq, bad)
 
 
-def test_kernel_rows_are_stochastic_and_restore_lost_tokens(vocabs) -> None:
-    dv, tv_, maps = vocabs
+def test_kernel_rows_are_stochastic_and_restore_lost_tokens(pipelines, vocabs) -> None:
+    dv, _, maps = vocabs
+    pipe = pipelines["gemma_qwen"]
     text = ["\n".join(tiny.corpus())]
+    samples = calibration_samples(pipe.target, pipe.drafter, maps, text, positions=512)
+    top_mass = samples.d_probs.sum(axis=1)  # the largest 32 entries of a distribution over 384 tokens
+    assert len(samples.d_ids) > 100 and (top_mass <= 1 + 1e-9).all() and top_mass.mean() > 0.9
+    assert (maps.intersection[samples.d_ids] >= 0).all()  # the drafter's side is over its twins
     kept = choose_kept(maps, dv, frequencies(dv, text), 0.5)
-    t_freq = frequencies(tv_, text)
-    rows, cols, vals = build_kernel(maps, dv, tv_, kept, t_freq)
+    rows, cols, vals = build_kernel(maps, kept, samples)
     sums = np.bincount(rows, weights=vals)
-    assert np.allclose(sums[np.unique(rows)], 1.0)
+    assert np.allclose(sums[np.unique(rows)], 1.0) and (vals > 0).all()
     assert set(np.unique(rows).tolist()) == {int(d) for d in kept if maps.intersection[d] >= 0}
     reachable = set(maps.intersection[kept].tolist())
     restored = {int(c) for c in cols} - reachable
     assert restored, "the kernel moved no mass to a target token the pruned drafter cannot propose"
-    for r, c in zip(rows, cols, strict=True):
-        if c != maps.intersection[r]:  # an extension: its bytes start with the drafter token's
-            assert c in restored and tv_.token_bytes[c].startswith(dv.token_bytes[r])
-            assert t_freq[c] > 0
+    # Its strength was chosen on the samples: at least TLI's acceptance there (strength 0).
+    is_kept = np.zeros(len(maps.intersection), dtype=bool)
+    is_kept[kept] = True
+    q = samples.d_probs * is_kept[samples.d_ids]
+    use = q.sum(axis=1) > 0
+    args = (samples.d_ids[use], q[use] / q[use].sum(axis=1, keepdims=True), samples.t_ids[use], samples.t_probs[use])
+    twin_only = np.array([maps.intersection[r] == c for r, c in zip(rows, cols, strict=True)])
+    tli_rows = rows[twin_only].astype(np.int64)
+    tli = _acceptance(tli_rows, cols[twin_only].astype(np.int64), np.ones(len(tli_rows)), *args)
+    assert _acceptance(rows.astype(np.int64), cols.astype(np.int64), vals, *args) >= tli
 
 
 def test_pruned_pair_records_what_it_did(tiny_root: Path) -> None:

@@ -3,9 +3,10 @@
 1. Rank the drafter's tokens: those with a target twin (the TLI intersection) first, each group by
    frequency on a corpus, then by id (BPE ids follow merge order, a frequency order of their own).
 2. Cut the drafter's LM head to the kept rows (`kept_ids.npy` says which drafter id each logit is).
-3. Build the kernel M: each kept drafter token d with a target twin t0 keeps mass on t0 and hands some
-   to the target tokens that the pruned drafter can no longer propose and whose bytes extend bytes(d),
-   in proportion to their frequency in the target's tokenization of the same corpus.
+3. Build the kernel M from both models' distributions on the corpus: each kept drafter token d with a
+   target twin keeps mass on that twin and hands some to target tokens the pruned drafter cannot
+   propose, as much as the target gave them, on average, when the drafter gave its mass to d, scaled
+   by the strength that maximises acceptance on those samples (`build_kernel`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,9 +38,19 @@ DEFAULT_CORPUS = (
            "a41cc5998f3b5762ed2d0e06e7fea35a730d52a96c55cfbb77e478713344d7f7",
            lambda n: n.startswith("gensim/") and n.endswith(".py") and not n.startswith("gensim/test/")),
 )
-# A target token's weight in a kernel row is its corpus frequency times this, against the twin's own
-# frequency (plus one, so that a twin the corpus never shows still keeps its mass).
-EXTENSION_WEIGHT = 1.0
+# The kernel's statistics: the full drafter's distribution at this many positions of each corpus text,
+# in chunks of SAMPLE_CHUNK tokens, each distribution kept as its SAMPLE_TOP largest entries.
+SAMPLE_POSITIONS = 4096
+SAMPLE_CHUNK_LINES = 12  # lines of text per forward
+SAMPLE_CHUNK_TOKENS = 384  # at most this many tokens of them
+SAMPLE_CHUNK_ENDS = 128  # shared token ends a chunk gives, roughly (sets the number of chunks)
+SAMPLE_TOP = 32
+SAMPLE_SLICE = 64  # positions per forward
+# A row keeps at most ROW_TOP target tokens besides its twin; PRIOR_MASS (in positions' worth of q~
+# mass) shrinks rows seen rarely towards their twin; SCALES are the strengths tried (0: TLI).
+ROW_TOP = 16
+PRIOR_MASS = 10.0
+SCALES = (0.0, 0.25, 0.5, 1.0, 1.5)
 # The pruned head must give the full head's logits on the kept rows: checked on a forward over the
 # corpus's first characters (the rows are computed alike; only the kernel's tiling may differ).
 PROBE_CHARS = 400
@@ -90,39 +103,166 @@ def choose_kept(maps: VocabMaps, drafter: Vocab, freq: np.ndarray, fraction: flo
     return np.sort(kept).astype(np.int64)
 
 
-def build_kernel(maps: VocabMaps, drafter: Vocab, target: Vocab, kept: np.ndarray,
-                 target_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@dataclass
+class Samples:
+    """Next-token distributions of both models after the same text, at corpus positions where a drafter
+    token and a target token end together, each kept as its SAMPLE_TOP largest entries: the full
+    drafter's over its tokens with a target twin (renormalised), the target's at temperature 1."""
+
+    d_ids: np.ndarray  # [P, TOP] drafter ids
+    d_probs: np.ndarray  # [P, TOP]
+    t_ids: np.ndarray  # [P, TOP] target ids
+    t_probs: np.ndarray  # [P, TOP]
+
+
+def _top(logits: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    x = logits.astype(np.float64)
+    if mask is not None:
+        x[:, ~mask] = -np.inf
+    x = np.exp(x - x.max(axis=1, keepdims=True))
+    x /= x.sum(axis=1, keepdims=True)
+    top = np.argpartition(-x, SAMPLE_TOP, axis=1)[:, :SAMPLE_TOP]
+    return top, np.take_along_axis(x, top, axis=1)
+
+
+def _sliced_top(engine: Any, ids: list[int], rows: np.ndarray, width: int,
+                mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """_top of the logits at positions `rows` of a forward over ids, fed SAMPLE_SLICE positions at a
+    time: a 262k-wide vocabulary's logits for a whole chunk would take gigabytes."""
+    engine.reset()
+    tops, probs = [], []
+    for start in range(0, len(ids), SAMPLE_SLICE):
+        logits = engine.forward(np.asarray(ids[start : start + SAMPLE_SLICE]))
+        here = rows[(rows >= start) & (rows < start + SAMPLE_SLICE)] - start
+        if len(here):
+            t, p = _top(logits[here, :width], mask)
+            tops.append(t)
+            probs.append(p)
+    engine.reset()
+    return np.concatenate(tops), np.concatenate(probs)
+
+
+def _ends(vocab: Vocab, ids: list[int]) -> np.ndarray:
+    return np.cumsum([len(vocab.token_bytes[i] or b"") for i in ids])
+
+
+def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[str],
+                        positions: int = SAMPLE_POSITIONS) -> Samples:
+    """Run both engines (edge_sd `_Side`s: engine, vocab, manifest) over chunks spread evenly through
+    each text, until about `positions` shared token ends of each text are collected."""
+    twins = maps.intersection[: drafter.vocab.size] >= 0
+    width = min(target.manifest.logits_width, target.manifest.vocab_size)
+    out: list[list[np.ndarray]] = [[], [], [], []]
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        n_chunks = max(1, positions // SAMPLE_CHUNK_ENDS)
+        step = max(1, len(lines) // n_chunks)
+        for first in range(0, len(lines), step)[:n_chunks]:
+            chunk = "".join(lines[first : first + SAMPLE_CHUNK_LINES])
+            data = chunk.encode("utf-8")
+            sides = []
+            for side in (drafter, target):
+                ids = side.vocab.encode_text(chunk)[:SAMPLE_CHUNK_TOKENS]
+                ends = _ends(side.vocab, ids)
+                bos = side.manifest.bos_token_id if side.manifest.add_bos else None
+                sides.append((ids, ends, [bos] if bos is not None else []))
+            (d_ids, d_ends, d_pre), (t_ids, t_ends, t_pre) = sides
+            if not len(d_ids) or not len(t_ids) or d_ends[-1] > len(data) or t_ends[-1] > len(data):
+                continue
+            common, d_at, t_at = np.intersect1d(d_ends, t_ends, return_indices=True)
+            if not len(common):
+                continue
+            d_top = _sliced_top(drafter.engine, d_pre + d_ids, len(d_pre) + d_at, drafter.vocab.size, twins)
+            t_top = _sliced_top(target.engine, t_pre + t_ids, len(t_pre) + t_at, width, None)
+            for acc, arr in zip(out, (*d_top, *t_top), strict=True):
+                acc.append(arr)
+    drafter.engine.reset()
+    target.engine.reset()
+    if not out[0]:
+        raise ExportError("the corpus gave no position where both tokenizers end a token: give another corpus")
+    return Samples(*(np.concatenate(a) for a in out))
+
+
+def build_kernel(maps: VocabMaps, kept: np.ndarray, samples: Samples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernel M in coordinate form (rows: drafter ids, cols: target ids, vals), rows summing to 1.
 
-    Rows exist for kept drafter ids with a target twin. A target token that no kept drafter token
-    spells, that the corpus shows, and whose bytes extend the bytes of a kept twin-holding drafter
-    token, joins the row of the longest such token. The number of non-zeros is at most |D'| + |T|.
+    A row per kept drafter token d with a target twin. q~ is the drafter's distribution over those
+    tokens (what the pruned drafter drafts from); U are the target tokens no kept token spells (pruned
+    twins, and target tokens with no drafter twin at all). The first moment of what the target does
+    when the drafter gives q~: m[d, t] = E[q~(d) p(t)] / (E[q~(d)] + PRIOR_MASS) for t in U (the ROW_TOP
+    largest), measured on the samples. M[d] = s * m[d] on U and the rest on d's twin, with the scale s
+    of SCALES that maximises the samples' acceptance sum_t min(p, q~^T M); s = 0 is TLI on the pruned
+    drafter, so the kernel never does worse than TLI on the samples.
     """
     twin = maps.intersection
-    rows_d = [int(d) for d in kept if twin[d] >= 0]
-    reachable = np.zeros(target.size, dtype=bool)
-    reachable[twin[rows_d]] = True
-    by_bytes = {drafter.token_bytes[d]: d for d in rows_d if drafter.token_bytes[d]}
-    longest = max((len(b) for b in by_bytes), default=0)
-    extensions: dict[int, list[int]] = {}
-    for t in np.nonzero((target_freq[: target.size] > 0) & ~reachable)[0]:
-        b = target.token_bytes[t]
-        if not b:
+    n_d = len(twin)
+    rows_d = np.array([d for d in kept if twin[d] >= 0], dtype=np.int64)
+    is_kept = np.zeros(n_d, dtype=bool)
+    is_kept[rows_d] = True
+    reachable = set(twin[rows_d].tolist())
+    d_ids, t_ids = samples.d_ids, samples.t_ids
+    q = samples.d_probs * is_kept[d_ids]
+    mass = q.sum(axis=1)
+    use = mass > 0
+    q = q[use] / mass[use, None]  # q~ on the sampled entries
+    d_ids, t_ids, p = d_ids[use], t_ids[use], samples.t_probs[use]
+    p_u = p * ~np.isin(t_ids, list(reachable))  # target mass on tokens the pruned drafter cannot propose
+    seen = np.bincount(d_ids.ravel(), weights=q.ravel(), minlength=n_d)
+    moment: dict[int, dict[int, float]] = {}
+    w = q[:, :, None] * p_u[:, None, :]
+    nz = w > 1e-6
+    if nz.any():
+        n_t = int(t_ids.max()) + 1
+        keys = np.broadcast_to(d_ids[:, :, None], w.shape)[nz] * n_t + np.broadcast_to(t_ids[:, None, :], w.shape)[nz]
+        uniq, inv = np.unique(keys, return_inverse=True)
+        for key, v in zip(uniq.tolist(), np.bincount(inv, weights=w[nz]).tolist(), strict=True):
+            moment.setdefault(key // n_t, {})[key % n_t] = v
+    rows: list[int] = []
+    cols: list[int] = []
+    share: list[float] = []  # the moment's value; the twin's entry holds 0
+    for d in rows_d.tolist():
+        best = sorted(moment.get(d, {}).items(), key=lambda kv: -kv[1])[:ROW_TOP]
+        rows.append(d)
+        cols.append(int(twin[d]))
+        share.append(0.0)
+        for t, v in best:
+            rows.append(d)
+            cols.append(t)
+            share.append(v / (seen[d] + PRIOR_MASS))
+    r, c, m = np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64), np.array(share)
+
+    def at_scale(scale: float) -> np.ndarray:
+        moved = np.bincount(r, weights=scale * m, minlength=n_d)
+        return np.where(m > 0, scale * m, np.maximum(0.0, 1.0 - moved[r]))
+
+    best_scale = max(SCALES, key=lambda sc: _acceptance(r, c, at_scale(sc), d_ids, q, t_ids, p))
+    vals = at_scale(best_scale)
+    keep = vals > 0
+    return r[keep].astype(np.int32), c[keep].astype(np.int32), vals[keep]
+
+
+def _acceptance(r: np.ndarray, c: np.ndarray, v: np.ndarray, d_ids: np.ndarray, q: np.ndarray,
+                t_ids: np.ndarray, p: np.ndarray) -> float:
+    """Mean over sample positions of sum_t min(p(t), psi(t)), psi = q~^T M (sparse throughout)."""
+    order = np.argsort(r, kind="stable")
+    r, c, v = r[order], c[order], v[order]
+    starts = np.searchsorted(r, np.arange(int(d_ids.max()) + 2))
+    total = 0.0
+    for i in range(len(d_ids)):
+        lo, hi = starts[d_ids[i]], starts[d_ids[i] + 1]
+        spans = [np.arange(a, b) for a, b in zip(lo, hi, strict=True) if b > a]
+        if not spans:
             continue
-        for n in range(min(len(b) - 1, longest), 0, -1):
-            d = by_bytes.get(b[:n])
-            if d is not None:
-                extensions.setdefault(d, []).append(int(t))
-                break
-    rows, cols, vals = [], [], []
-    for d in rows_d:
-        t0 = int(twin[d])
-        ext = extensions.get(d, [])
-        w = np.array([target_freq[t0] + 1.0 / max(1, target.size)] + [EXTENSION_WEIGHT * target_freq[t] for t in ext])
-        rows += [d] * (1 + len(ext))
-        cols += [t0, *ext]
-        vals += (w / w.sum()).tolist()
-    return np.array(rows, dtype=np.int32), np.array(cols, dtype=np.int32), np.array(vals)
+        idx = np.concatenate(spans)
+        weights = np.repeat(q[i], hi - lo) * v[idx]
+        cols, inv = np.unique(c[idx], return_inverse=True)
+        psi = np.bincount(inv, weights=weights)
+        pos = np.searchsorted(t_ids[i][np.argsort(t_ids[i])], cols)
+        sorted_t, sorted_p = np.sort(t_ids[i]), p[i][np.argsort(t_ids[i])]
+        pos = np.minimum(pos, len(sorted_t) - 1)
+        hit = sorted_t[pos] == cols
+        total += float(np.minimum(psi[hit], sorted_p[pos][hit]).sum())
+    return total / max(1, len(d_ids))
 
 
 def prune_head(engine_dir: Path, kept: np.ndarray) -> None:
@@ -221,6 +361,18 @@ def _probe_logits(engine_dir: Path, ids: np.ndarray) -> np.ndarray:
     return engine.forward(ids)[:, : engine.manifest.logits_width].astype(np.float64)
 
 
+def _side(engine_dir: Path) -> Any:
+    """An engine with its tokenizer, as calibration_samples takes them."""
+    from types import SimpleNamespace
+
+    from edge_sd.engines.ort import OrtEngine
+
+    engine = OrtEngine(engine_dir, provider="cpu", min_step_positions=1)
+    m = engine.manifest
+    return SimpleNamespace(engine=engine, manifest=m, vocab=Vocab.from_file(engine_dir / m.tokenizer_file,
+                                                                            m.eos_token_ids))
+
+
 def _rewrite_manifest(engine_dir: Path, m: EngineManifest, width: int) -> None:
     from dataclasses import replace
 
@@ -236,14 +388,13 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
 
     pm = load_pair_manifest(folder)
     dm = load_engine_manifest(folder / pm.drafter)
-    tm = load_engine_manifest(folder / pm.target)
     if dm.kept_ids_file:
         raise UsageError(f"{folder / pm.drafter} is pruned already")
     dv = Vocab.from_file(folder / pm.drafter / dm.tokenizer_file, dm.eos_token_ids)
-    tv = Vocab.from_file(folder / pm.target / tm.tokenizer_file, tm.eos_token_ids)
     maps = VocabMaps.load(folder / (pm.maps_file or "maps.npz"))
-    d_freq, t_freq = frequencies(dv, texts), frequencies(tv, texts)
+    d_freq = frequencies(dv, texts)
     kept = choose_kept(maps, dv, d_freq, fraction)
+    samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
     head_diff = None
     if len(kept) < dv.size:
         probe = np.asarray(dv.encode_text(texts[0][:PROBE_CHARS]) or [0], dtype=np.int64)
@@ -254,7 +405,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
         if not head_diff <= PRUNE_TOLERANCE:
             raise ExportError(f"the pruned drafter's logits differ from the full head's kept columns by "
                               f"{head_diff:.2e} (relative; allowed {PRUNE_TOLERANCE:.0e})")
-    rows, cols, vals = build_kernel(maps, dv, tv, kept, t_freq)
+    rows, cols, vals = build_kernel(maps, kept, samples)
     np.savez_compressed(folder / KERNEL_FILE, rows=rows, cols=cols, vals=vals)
     stats = {
         "drafter_vocab_keep": fraction,
@@ -262,6 +413,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
         "kept_twins": int((maps.intersection[kept] >= 0).sum()),
         "kernel_rows": int(len(np.unique(rows))),
         "kernel_nonzeros": int(len(vals)),
+        "kernel_sample_positions": int(len(samples.d_ids)),
         "pruned_head_max_rel_diff": head_diff,
         # how much of the corpus (the drafter's own tokenization, per domain) the kept rows cover
         "kept_corpus_share": round(float(d_freq[kept].sum() / max(d_freq.sum(), 1e-12)), 4),
@@ -282,7 +434,8 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     dest = Path(cache) / "pairs" / f"{pair.name}_keep{round(fraction * 100)}"
     src_sums = hashlib.sha256(b"".join((pair / f).read_bytes() for f in ("pair.json", "drafter/engine.json")))
     corpus = ",".join(s.sha256[:12] for s in DEFAULT_CORPUS)
-    recipe = f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} extension_weight={EXTENSION_WEIGHT}\n"
+    recipe = (f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} kernel=target-moment-{SAMPLE_POSITIONS}-"
+              f"{SAMPLE_TOP}-{ROW_TOP}-{PRIOR_MASS}-{SCALES}\n")
     if (dest / ".recipe").is_file() and (dest / ".recipe").read_text() == recipe:
         return dest
     with atomic_folder(dest, force=True) as tmp:
