@@ -100,9 +100,9 @@ def markdown(results: dict, rows: list[dict], full: dict | None, command: str, i
     return "\n\n".join([
         f"Command: `{command}` ({results['date']}); {len(results['prompts'])} prompts ({o['per_set']} per set"
         f"{', after the first ' + str(o['skip']) if o['skip'] else ''}), {o['n']} positions each along the target's "
-        f"greedy continuation, {rows[0]['positions']} positions in all. The kernel is built from the full "
-        f"drafter's distributions at {o['kernel']['sample_positions']} positions of each corpus text (top "
-        f"{o['kernel']['sample_top']} entries; at most {o['kernel']['row_top']} pruned targets a row). "
+        f"greedy continuation, {rows[0]['positions']} positions in all. The kernel is built from both "
+        f"models' distributions at about {o['kernel']['sample_positions']} positions of each corpus text (top "
+        f"{o['kernel']['sample_top']} entries; at most {o['kernel']['row_top']} restored targets a row). "
         "Acceptance (T=1) is the mean over positions of sum_t min(p(t), psi(t)), "
         "the probability that one drafted token is accepted; greedy hits, the share of positions where the "
         "drafted token is the target's argmax. Kept tokens are ranked on the default corpus (news articles "
@@ -118,6 +118,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from edge_sd.bench.report import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, (suffix, title) in zip(axes, (("", "sampling (T=1): expected acceptance"),
                                           ("_greedy", "greedy: drafted token = target's argmax")), strict=True):
@@ -130,9 +132,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 if __name__ == "__main__":

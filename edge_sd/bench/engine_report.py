@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from edge_sd.bench.report import update_readme
+from edge_sd.bench.report import save_figure, update_readme
 
 README_START = "<!-- engines-bench:start -->"
 README_END = "<!-- engines-bench:end -->"
@@ -72,11 +72,7 @@ def plot(cases: list[dict], k: int, out: Path) -> Path:
     ax.set_title("one forward on this CPU (2 threads), and onnxruntime-genai's decoding of the same graph")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / PLOT
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, out / PLOT)
 
 
 def markdown(results: dict, command: str, image_dir: str) -> str:

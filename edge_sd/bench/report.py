@@ -124,10 +124,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel("speedup over edge-sd plain decoding (median)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    speed = out / SPEEDUP_PNG
-    fig.savefig(speed, dpi=110)
-    plt.close(fig)
+    speed = save_figure(plt, fig, out / SPEEDUP_PNG)
 
     fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
     for ax, mode in zip(axes[:, 0], modes, strict=True):
@@ -143,10 +140,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel("ms per generated token")
         ax.set_title(f"where the time goes, {mode}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    split = out / SPLIT_PNG
-    fig.savefig(split, dpi=110)
-    plt.close(fig)
+    split = save_figure(plt, fig, out / SPLIT_PNG)
     return [speed, split] + ([keep_plot(rows, out, plt)] if _keep_rows(rows) else [])
 
 
@@ -176,8 +170,12 @@ def keep_plot(rows: list[dict], out: Path, plt) -> Path:
         ax.set_title(f"{mode} (T={'0' if mode == 'greedy' else '1'}), k={krows[0]['k']}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return save_figure(plt, fig, out / KEEP_PNG)
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    """Lay out, write as PNG and free a matplotlib figure."""
     fig.tight_layout()
-    path = out / KEEP_PNG
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,9 @@ DEFAULT_CORPUS = (
            "a41cc5998f3b5762ed2d0e06e7fea35a730d52a96c55cfbb77e478713344d7f7",
            lambda n: n.startswith("gensim/") and n.endswith(".py") and not n.startswith("gensim/test/")),
 )
-# The kernel's statistics: the full drafter's distribution at this many positions of each corpus text,
-# in chunks of SAMPLE_CHUNK tokens, each distribution kept as its SAMPLE_TOP largest entries.
+# The kernel's statistics: both models' next-token distributions at about this many positions of each
+# corpus text where both tokenizers end a token, read in chunks of a few lines, each distribution kept as
+# its SAMPLE_TOP largest entries. About 2.5 minutes for the real pair on 2 cores.
 SAMPLE_POSITIONS = 4096
 SAMPLE_CHUNK_LINES = 12  # lines of text per forward
 SAMPLE_CHUNK_TOKENS = 384  # at most this many tokens of them
@@ -380,10 +380,10 @@ def _rewrite_manifest(engine_dir: Path, m: EngineManifest, width: int) -> None:
     save(replace(m2, files=file_entries(engine_dir)), engine_dir)
 
 
-def prune_pair(folder: Path, fraction: float, texts: list[str],
-               step: Callable[[str], object] | None = None) -> dict:
+def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples | None = None) -> dict:
     """Prune the drafter of the pair folder in place (a fraction of 1 prunes nothing but still builds
-    the kernel), write the kernel and record both in pair.json. Returns the figures for the summary."""
+    the kernel), write the kernel and record both in pair.json. Returns the figures for the summary.
+    samples: the pair's calibration samples, when already measured (they do not depend on the fraction)."""
     from dataclasses import replace
 
     pm = load_pair_manifest(folder)
@@ -394,7 +394,8 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
     maps = VocabMaps.load(folder / (pm.maps_file or "maps.npz"))
     d_freq = frequencies(dv, texts)
     kept = choose_kept(maps, dv, d_freq, fraction)
-    samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
+    if samples is None:
+        samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
     head_diff = None
     if len(kept) < dv.size:
         probe = np.asarray(dv.encode_text(texts[0][:PROBE_CHARS]) or [0], dtype=np.int64)
@@ -422,6 +423,9 @@ def prune_pair(folder: Path, fraction: float, texts: list[str],
     return stats
 
 
+_SAMPLES: dict[tuple[str, str], Samples] = {}
+
+
 def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     """A copy of a pair folder with its drafter pruned to `fraction` (and RDK's kernel), in
     cache/pairs/, built once: files are hard links except those pruning rewrites. Rebuilt when the source
@@ -438,6 +442,12 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
               f"{SAMPLE_TOP}-{ROW_TOP}-{PRIOR_MASS}-{SCALES}\n")
     if (dest / ".recipe").is_file() and (dest / ".recipe").read_text() == recipe:
         return dest
+    texts = corpus_texts(None, cache)
+    key = (str(pair.resolve()), src_sums.hexdigest())
+    if key not in _SAMPLES:  # one measurement serves every fraction of one pair
+        pm = load_pair_manifest(pair)
+        maps = VocabMaps.load(pair / (pm.maps_file or "maps.npz"))
+        _SAMPLES[key] = calibration_samples(_side(pair / pm.target), _side(pair / pm.drafter), maps, texts)
     with atomic_folder(dest, force=True) as tmp:
         for f in pair.rglob("*"):
             if f.is_file() and f.name != ".recipe" and "trt_cache" not in f.parts:
@@ -447,6 +457,6 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
                     os.link(f, to)
                 except OSError:  # another filesystem
                     shutil.copy2(f, to)
-        prune_pair(tmp, fraction, corpus_texts(None, cache))
+        prune_pair(tmp, fraction, texts, samples=_SAMPLES[key])
         (tmp / ".recipe").write_text(recipe)
     return dest
