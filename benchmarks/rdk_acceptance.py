@@ -67,7 +67,8 @@ def main() -> None:
         rows.append(row)
     full = next((r for r in rows if r["keep"] == 1.0), None)
     results = {"options": {**vars(args), "pair": str(args.pair), "kernel": {
-        "sample_positions": prune.SAMPLE_POSITIONS, "sample_top": prune.SAMPLE_TOP, "row_top": prune.ROW_TOP,
+        "sample_chunks": prune.SAMPLE_CHUNKS, "chunk_lines": prune.SAMPLE_CHUNK_LINES,
+        "sample_top": prune.SAMPLE_TOP, "row_top": prune.ROW_TOP,
         "prior_mass": prune.PRIOR_MASS}},
                "machine": machine(), "prompts": [p.id for p in plist], "rows": rows,
                "date": time.strftime("%Y-%m-%d")}
@@ -101,7 +102,8 @@ def markdown(results: dict, rows: list[dict], full: dict | None, command: str, i
         f"Command: `{command}` ({results['date']}); {len(results['prompts'])} prompts ({o['per_set']} per set"
         f"{', after the first ' + str(o['skip']) if o['skip'] else ''}), {o['n']} positions each along the target's "
         f"greedy continuation, {rows[0]['positions']} positions in all. The kernel is built from both "
-        f"models' distributions at about {o['kernel']['sample_positions']} positions of each corpus text (top "
+        f"models' distributions in {o['kernel']['sample_chunks']} chunks of {o['kernel']['chunk_lines']} lines of "
+        f"each corpus text, wherever both tokenizers end a token (top "
         f"{o['kernel']['sample_top']} entries; at most {o['kernel']['row_top']} restored targets a row). "
         "Acceptance (T=1) is the mean over positions of sum_t min(p(t), psi(t)), "
         "the probability that one drafted token is accepted; greedy hits, the share of positions where the "

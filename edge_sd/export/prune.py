@@ -37,13 +37,12 @@ DEFAULT_CORPUS = (
            "a41cc5998f3b5762ed2d0e06e7fea35a730d52a96c55cfbb77e478713344d7f7",
            lambda n: n.startswith("gensim/") and n.endswith(".py") and not n.startswith("gensim/test/")),
 )
-# The kernel's statistics: both models' next-token distributions at about this many positions of each
-# corpus text where both tokenizers end a token, read in chunks of a few lines, each distribution kept as
-# its SAMPLE_TOP largest entries. About 2.5 minutes for the real pair on 2 cores.
-SAMPLE_POSITIONS = 4096
-SAMPLE_CHUNK_LINES = 12  # lines of text per forward
+# The kernel's statistics: both models' next-token distributions wherever both tokenizers end a token,
+# in SAMPLE_CHUNKS chunks of a few lines spread evenly through each corpus text, each distribution kept
+# as its SAMPLE_TOP largest entries. The real pair: about 15,000 positions, 2.5 minutes on 2 cores.
+SAMPLE_CHUNKS = 32
+SAMPLE_CHUNK_LINES = 12  # lines of text per chunk
 SAMPLE_CHUNK_TOKENS = 384  # at most this many tokens of them
-SAMPLE_CHUNK_ENDS = 128  # shared token ends a chunk gives, roughly (sets the number of chunks)
 SAMPLE_TOP = 32
 SAMPLE_SLICE = 64  # positions per forward
 # A row keeps at most ROW_TOP target tokens besides its twin; PRIOR_MASS (in positions' worth of q~
@@ -147,17 +146,16 @@ def _ends(vocab: Vocab, ids: list[int]) -> np.ndarray:
 
 
 def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[str],
-                        positions: int = SAMPLE_POSITIONS) -> Samples:
-    """Run both engines (edge_sd `_Side`s: engine, vocab, manifest) over chunks spread evenly through
-    each text, until about `positions` shared token ends of each text are collected."""
+                        chunks: int = SAMPLE_CHUNKS) -> Samples:
+    """Run both engines (edge_sd `_Side`s: engine, vocab, manifest) over `chunks` chunks spread evenly
+    through each text, keeping the positions where both tokenizers end a token."""
     twins = maps.intersection[: drafter.vocab.size] >= 0
     width = min(target.manifest.logits_width, target.manifest.vocab_size)
     out: list[list[np.ndarray]] = [[], [], [], []]
     for text in texts:
         lines = text.splitlines(keepends=True)
-        n_chunks = max(1, positions // SAMPLE_CHUNK_ENDS)
-        step = max(1, len(lines) // n_chunks)
-        for first in range(0, len(lines), step)[:n_chunks]:
+        step = max(1, len(lines) // chunks)
+        for first in range(0, len(lines), step)[:chunks]:
             chunk = "".join(lines[first : first + SAMPLE_CHUNK_LINES])
             data = chunk.encode("utf-8")
             sides = []
@@ -438,7 +436,7 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     dest = Path(cache) / "pairs" / f"{pair.name}_keep{round(fraction * 100)}"
     src_sums = hashlib.sha256(b"".join((pair / f).read_bytes() for f in ("pair.json", "drafter/engine.json")))
     corpus = ",".join(s.sha256[:12] for s in DEFAULT_CORPUS)
-    recipe = (f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} kernel=target-moment-{SAMPLE_POSITIONS}-"
+    recipe = (f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} kernel=target-moment-{SAMPLE_CHUNKS}-"
               f"{SAMPLE_TOP}-{ROW_TOP}-{PRIOR_MASS}-{SCALES}\n")
     if (dest / ".recipe").is_file() and (dest / ".recipe").read_text() == recipe:
         return dest
