@@ -238,8 +238,11 @@ def _drafter_steps(pipe: Pipeline, variants: dict[float, Pipeline]) -> dict[str,
 
 
 def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
+    # auto runs as `edge-sd generate` runs it by default: the cost schedule, with DISCO's stops where
+    # the pair folder holds a calibrated disco.json.
     gen = GenerationConfig(max_new_tokens=max_new, temperature=MODES[cfg.mode], seed=seed,
-                           algorithm=cfg.algorithm, lookahead=cfg.k or None, schedule=cfg.schedule)
+                           algorithm=cfg.algorithm, lookahead=cfg.k or None,
+                           schedule=None if cfg.algorithm == "auto" else cfg.schedule)
     # Timed from outside, as transformers' generate() is: tokenizing the prompt and setting up the
     # drafter count too.
     t0 = time.perf_counter()
