@@ -39,10 +39,16 @@ class Kernel:
     vals: np.ndarray
 
     @classmethod
+    def of(cls, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> Kernel:
+        """From coordinate arrays of any integer and float types (the file stores int32 ids)."""
+        return cls(np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64),
+                   np.asarray(vals, dtype=np.float64))
+
+    @classmethod
     def load(cls, path: Path) -> Kernel:
         try:
             with np.load(path) as z:
-                kernel = cls(z["rows"].astype(np.int64), z["cols"].astype(np.int64), z["vals"].astype(np.float64))
+                kernel = cls.of(z["rows"], z["cols"], z["vals"])
         except (OSError, KeyError, ValueError) as e:
             raise ArtifactError(f"{path}: not a readable RDK kernel ({e})") from None
         if not (len(kernel.rows) == len(kernel.cols) == len(kernel.vals)) or (kernel.vals < 0).any():

@@ -44,8 +44,7 @@ def variants(pipe: Pipeline, fractions: list[float], texts: list[str]) -> list[V
         kept = choose_kept(maps, dv, d_freq, f)
         mask = np.zeros(dv.size, dtype=bool)
         mask[kept] = True
-        kernel = Kernel(*(np.asarray(a, dtype=t) for a, t in zip(
-            build_kernel(maps, kept, samples), (np.int64, np.int64, np.float64), strict=True)))
+        kernel = Kernel.of(*build_kernel(maps, kept, samples))
         out.append(Variant(f, kept, mask & (maps.intersection[: dv.size] >= 0), kernel, kernel.has_row(dv.size)))
     return out
 

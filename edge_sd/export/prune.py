@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,9 +255,9 @@ def _acceptance(r: np.ndarray, c: np.ndarray, v: np.ndarray, d_ids: np.ndarray, 
         weights = np.repeat(q[i], hi - lo) * v[idx]
         cols, inv = np.unique(c[idx], return_inverse=True)
         psi = np.bincount(inv, weights=weights)
-        pos = np.searchsorted(t_ids[i][np.argsort(t_ids[i])], cols)
-        sorted_t, sorted_p = np.sort(t_ids[i]), p[i][np.argsort(t_ids[i])]
-        pos = np.minimum(pos, len(sorted_t) - 1)
+        order_t = np.argsort(t_ids[i])
+        sorted_t, sorted_p = t_ids[i][order_t], p[i][order_t]
+        pos = np.minimum(np.searchsorted(sorted_t, cols), len(sorted_t) - 1)
         hit = sorted_t[pos] == cols
         total += float(np.minimum(psi[hit], sorted_p[pos][hit]).sum())
     return total / max(1, len(d_ids))
@@ -372,18 +372,13 @@ def _side(engine_dir: Path) -> Any:
 
 
 def _rewrite_manifest(engine_dir: Path, m: EngineManifest, width: int) -> None:
-    from dataclasses import replace
-
-    m2 = replace(m, logits_width=width, kept_ids_file=KEPT_FILE)
-    save(replace(m2, files=file_entries(engine_dir)), engine_dir)
+    save(replace(m, logits_width=width, kept_ids_file=KEPT_FILE, files=file_entries(engine_dir)), engine_dir)
 
 
 def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples | None = None) -> dict:
     """Prune the drafter of the pair folder in place (a fraction of 1 prunes nothing but still builds
     the kernel), write the kernel and record both in pair.json. Returns the figures for the summary.
     samples: the pair's calibration samples, when already measured (they do not depend on the fraction)."""
-    from dataclasses import replace
-
     pm = load_pair_manifest(folder)
     dm = load_engine_manifest(folder / pm.drafter)
     if dm.kept_ids_file:
@@ -433,8 +428,9 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     from edge_sd.export.atomic import atomic_folder
 
     pair = Path(pair)
+    pm = load_pair_manifest(pair)
     dest = Path(cache) / "pairs" / f"{pair.name}_keep{round(fraction * 100)}"
-    src_sums = hashlib.sha256(b"".join((pair / f).read_bytes() for f in ("pair.json", "drafter/engine.json")))
+    src_sums = hashlib.sha256(b"".join(f.read_bytes() for f in (pair / "pair.json", pair / pm.drafter / "engine.json")))
     corpus = ",".join(s.sha256[:12] for s in DEFAULT_CORPUS)
     recipe = (f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} kernel=target-moment-{SAMPLE_CHUNKS}-"
               f"{SAMPLE_TOP}-{ROW_TOP}-{PRIOR_MASS}-{SCALES}\n")
@@ -443,7 +439,6 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     texts = corpus_texts(None, cache)
     key = (str(pair.resolve()), src_sums.hexdigest())
     if key not in _SAMPLES:  # one measurement serves every fraction of one pair
-        pm = load_pair_manifest(pair)
         maps = VocabMaps.load(pair / (pm.maps_file or "maps.npz"))
         _SAMPLES[key] = calibration_samples(_side(pair / pm.target), _side(pair / pm.drafter), maps, texts)
     with atomic_folder(dest, force=True) as tmp:
