@@ -154,3 +154,14 @@ def test_rdk_needs_a_kernel(pipelines) -> None:
         pipelines["gemma_qwen"].generate("The cat", GenerationConfig(algorithm="rdk"))
     pipe = pipelines["gemma_qwen_keep50"]
     assert pipe.candidates("auto") == ("slem", "tli", "slrs", "rdk")
+
+
+def test_pruning_with_corpus_lines_longer_than_the_context(tiny_root: Path, tmp_path: Path, vocabs) -> None:
+    """Corpus chunks and the pruning probe are cut to each engine's maximum context (256 here): one
+    line of the whole tiny corpus is thousands of tokens."""
+    folder = tmp_path / "pair"
+    shutil.copytree(tiny_root / "pairs" / "gemma_qwen", folder)
+    line = " ".join(x.replace("\n", " ") for x in tiny.corpus())
+    assert len(vocabs[0].encode_text(line)) > load_engine_manifest(folder / "drafter").max_context
+    stats = prune_pair(folder, 0.5, [line, line])
+    assert stats["kernel_sample_positions"] > 0 and stats["pruned_head_max_rel_diff"] <= 1e-4

@@ -160,9 +160,10 @@ def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[
             data = chunk.encode("utf-8")
             sides = []
             for side in (drafter, target):
-                ids = side.vocab.encode_text(chunk)[:SAMPLE_CHUNK_TOKENS]
-                ends = _ends(side.vocab, ids)
                 bos = side.manifest.bos_token_id if side.manifest.add_bos else None
+                room = min(SAMPLE_CHUNK_TOKENS, side.manifest.max_context - (bos is not None))
+                ids = side.vocab.encode_text(chunk)[:room]
+                ends = _ends(side.vocab, ids)
                 sides.append((ids, ends, [bos] if bos is not None else []))
             (d_ids, d_ends, d_pre), (t_ids, t_ends, t_pre) = sides
             if not len(d_ids) or not len(t_ids) or d_ends[-1] > len(data) or t_ends[-1] > len(data):
@@ -391,7 +392,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples
         samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
     head_diff = None
     if len(kept) < dv.size:
-        probe = np.asarray(dv.encode_text(texts[0][:PROBE_CHARS]) or [0], dtype=np.int64)
+        probe = np.asarray(dv.encode_text(texts[0][:PROBE_CHARS])[: dm.max_context] or [0], dtype=np.int64)
         before = _probe_logits(folder / pm.drafter, probe)
         prune_head(folder / pm.drafter, kept)
         after = _probe_logits(folder / pm.drafter, probe)
