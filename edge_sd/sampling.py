@@ -25,21 +25,24 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
 
     Greedy gives a one-hot at the argmax, so that every verifier's general rule reduces to exact match.
     """
-    x = np.asarray(logits, dtype=np.float64)
     if cfg.greedy:
-        out = np.zeros_like(x)
-        np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
+        out = np.zeros(np.shape(logits), dtype=np.float64)
+        np.put_along_axis(out, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    x = x / cfg.temperature
+    # One float64 copy, worked on in place: rows over a 262k vocabulary are megabytes each, and fresh
+    # temporaries of that size cost more than the arithmetic (3 rows: 4 ms against 1.3 on this CPU).
+    x = np.array(logits, dtype=np.float64)
+    if cfg.temperature != 1.0:
+        x /= cfg.temperature
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = np.partition(x, -cfg.top_k, axis=-1)[..., -cfg.top_k, None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(axis=-1, keepdims=True)
-    p = np.exp(x)
-    p /= p.sum(axis=-1, keepdims=True)
+        x[x < kth] = -np.inf
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
     if cfg.top_p < 1.0:
-        p = _top_p(p, cfg.top_p)
-    return p
+        x = _top_p(x, cfg.top_p)
+    return x
 
 
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
