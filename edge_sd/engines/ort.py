@@ -39,10 +39,14 @@ class OrtEngine:
         capacity: int | None = None,
         min_step_positions: int | None = None,
     ):
-        """spin: let ONNX Runtime's worker threads spin between runs. Faster for one engine alone
-        (Gemma-3-270M, 2 cores: 55.5 against 60 ms/token); for a target and a drafter that take
-        turns it is slower, since one session's spinning threads steal the cores the other runs on
-        (SmolLM2 drafter steps between target forwards: 42 ms spinning, 27 ms not).
+        """spin: let ONNX Runtime's worker threads keep spinning after a run, for the next one. An
+        engine alone gains from it; a target and a drafter that take turns must not, since one
+        session's spinning threads steal the cores the other runs on (SmolLM2 drafter steps between
+        target forwards: 42 ms spinning, 27 ms not). Without it the threads still spin inside a run
+        (between its many small kernels) and stop as it returns (`force_spinning_stop`): against no
+        spinning at all, on 2 cores, a two-position Gemma-3-270M forward took 37-41 ms instead of
+        44-49 and a SmolLM2 step 7.4-8.0 instead of 9.8-10.8 (medians of 20, each setting in its
+        own process, twice).
 
         capacity: initial KV positions of a shared-layout cache. min_step_positions: override the
         manifest's (1 for a drafter, whose forwards need not agree with each other).
@@ -58,7 +62,7 @@ class OrtEngine:
             opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if not spin:
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         names = resolve_providers(provider)
         cap = min(m.max_context, max(capacity or DEFAULT_CAPACITY, m.sliding_window or 0))
         chosen: list = [
