@@ -30,7 +30,8 @@ DECAY = 0.97
 # After this many plain steps in a row, one round drafts PROBE tokens to refresh the estimates.
 PROBE_EVERY = 8
 PROBE = 1
-# Cost estimates follow new measurements with this weight (exponential moving average).
+# Cost estimates follow new measurements with this weight (exponential moving average), after a
+# plain mean over their first 1 / COST_WEIGHT measurements.
 COST_WEIGHT = 0.1
 # Every algorithm drafts at least this many rounds before the estimates decide alone (one unlucky
 # first draft must not rule an algorithm out; decay later pulls a neglected one back towards 0.5).
@@ -112,6 +113,18 @@ class HeuristicSchedule(StaticSchedule):
             self.k = min(self.k_max, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
+class Estimate:
+    """A cost that follows its measurements: their plain mean at first (a starting guess counts as
+    `prior` measurements, so a poor one is soon outweighed), then an exponential moving average."""
+
+    def __init__(self, value: float, prior: int = 1):
+        self.value, self.n = value, prior
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(COST_WEIGHT, 1.0 / self.n) * (x - self.value)
+
+
 @dataclass
 class Acceptance:
     """Per draft position i: how often candidate i was accepted when it was verified (decayed counts)."""
@@ -167,13 +180,14 @@ class CostSchedule:
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
                  draft_cost: dict[str, float]):
         self.k_max = k_max
-        self.target_cost = dict(target_cost)  # s -> seconds
-        self.draft_cost = dict(draft_cost)  # algorithm -> seconds per drafted token
+        self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
+        self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
         self.explored: dict[str, int] = {}  # algorithm -> rounds it drafted
-        # The rest of a round (verification, warping p, the text, syncing the drafter), which a round
-        # that drafts pays more of than a plain step; learnt online from 0.
-        self.other_cost = {"plain": 0.0, "draft": 0.0}
+        # The rest of a round over s positions (verification, warping p, the text, syncing the
+        # drafter): more for a round that drafts than for a plain step, and growing with s when
+        # sampling warps each position's distribution over a large vocabulary; learnt online.
+        self.other_cost: dict[int, Estimate] = {}
         self.rebind(proposers)
 
     def rebind(self, proposers: dict[str, Proposer]) -> None:
@@ -184,13 +198,21 @@ class CostSchedule:
         self.plain_streak = 0
         self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds of this generation
 
+    def _other(self, s: int) -> float:
+        """The rest of a round over s positions: measured, else scaled from the nearest measured size
+        below it (a plain step's for the first draft), else nothing yet."""
+        if s in self.other_cost:
+            return self.other_cost[s].value
+        below = [x for x in self.other_cost if x < s]
+        return self.other_cost[max(below)].value * s / max(below) if below else 0.0
+
     def _rate(self, algo: str, m: int) -> float:
-        cost = self.target_cost[m + 1] + m * self.draft_cost[algo] + self.other_cost["draft"]
+        cost = self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1)
         return self.acceptance[algo].expected_tokens(m) / cost
 
     def plan(self, budget: int) -> Plan:
         k = min(self.k_max, budget)
-        best_algo, best_m, best = None, 0, 1.0 / (self.target_cost[1] + self.other_cost["plain"])
+        best_algo, best_m, best = None, 0, 1.0 / (self.target_cost[1].value + self._other(1))
         for algo in self.proposers:
             for m in range(1, k + 1):
                 rate = self._rate(algo, m)
@@ -213,9 +235,8 @@ class CostSchedule:
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         s = proposed + 1
         if s in self.target_cost:
-            self.target_cost[s] += COST_WEIGHT * (target_s - self.target_cost[s])
-        kind = "draft" if proposed else "plain"
-        self.other_cost[kind] += COST_WEIGHT * (other_s - self.other_cost[kind])
+            self.target_cost[s].add(target_s)
+        self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
         if plan.proposer is None or not proposed:
             return
         algo = self._algo_of[id(plan.proposer)]
@@ -223,8 +244,7 @@ class CostSchedule:
         # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
-        per_token = max(0.0, draft_s - plan.proposer.drafter.catch_up_s) / proposed
-        self.draft_cost[algo] += COST_WEIGHT * (per_token - self.draft_cost[algo])
+        self.draft_cost[algo].add(max(0.0, draft_s - plan.proposer.drafter.catch_up_s) / proposed)
         # Every algorithm forgets, not only the one that drafted: one that lost on a few early drafts
         # drifts back towards the prior and is tried again later.
         for acc in self.acceptance.values():
@@ -234,9 +254,9 @@ class CostSchedule:
     def summary(self) -> dict:
         return {
             "rounds": dict(sorted(self.rounds.items())),
-            "target_ms": {s: round(1e3 * c, 2) for s, c in sorted(self.target_cost.items())},
-            "draft_ms_per_token": {a: round(1e3 * c, 2) for a, c in self.draft_cost.items()},
-            "other_ms": {k: round(1e3 * c, 2) for k, c in self.other_cost.items()},
+            "target_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.target_cost.items())},
+            "draft_ms_per_token": {a: round(1e3 * c.value, 2) for a, c in self.draft_cost.items()},
+            "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }

@@ -28,7 +28,7 @@ def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200) -> dic
         a = 0
         while a < plan.m and rng.random() < accept[plan.proposer.name]:
             a += 1
-        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.draft_cost[plan.proposer.name])
+        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.draft_cost[plan.proposer.name].value)
     return sched.rounds
 
 
@@ -65,8 +65,29 @@ def test_costs_follow_what_rounds_measure() -> None:
         plan = sched.plan(K)
         sched.observe(plan, plan.m, 0, 0.060, plan.m * 0.050)  # everything slower than calibrated
     # Drafting measured at 50 ms a token instead of the calibrated 3: it noticed and steps aside.
-    assert max(sched.draft_cost.values()) > 0.015
+    assert max(c.value for c in sched.draft_cost.values()) > 0.015
     assert sched.rounds.get("plain", 0) > 50
+
+
+def test_the_rest_of_a_round_is_charged_by_its_size() -> None:
+    """Verification and warping cost more the more positions a round checks: a round over s positions
+    is charged what rounds of that size measured, and an unmeasured size what the nearest smaller
+    one measured, scaled by the number of positions."""
+    sched = schedule(0.0)
+    sched.observe(sched.plan(0), 0, 0, TARGET[1], 0.0, other_s=0.004)
+    assert sched._other(1) == 0.004 and abs(sched._other(3) - 0.012) < 1e-12
+    plan = sched.plan(2)
+    sched.observe(plan, 2, 2, TARGET[3], 0.0, other_s=0.030)
+    assert sched._other(3) == 0.030 and abs(sched._other(4) - 0.040) < 1e-12
+
+
+def test_a_poor_starting_guess_is_outweighed_at_once() -> None:
+    from edge_sd.lookahead import Estimate
+
+    e = Estimate(0.001)  # the calibrated guess counts as one measurement
+    for _ in range(3):
+        e.add(0.010)
+    assert abs(e.value - (0.001 + 3 * 0.010) / 4) < 1e-12
 
 
 def test_heuristic_schedule() -> None:

@@ -12,6 +12,12 @@ import numpy as np
 from edge_sd.engines.base import Engine
 from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
+# How fast the estimate of a one-position drafter forward follows new measurements.
+STEP_WEIGHT = 0.1
+# A draft feeds at most this many positions on its first forward when the last round drafted too (the
+# last drafted token and the round's own token): part of what every draft costs, not catching up.
+STEADY_PENDING = 2
+
 # (candidates, proposal rows q [m, V] or None, target distributions p [m+1, V], rng) -> (accepted, next)
 Verifier = Callable[[list[int], np.ndarray | None, np.ndarray, np.random.Generator], tuple[int, int]]
 
@@ -79,10 +85,12 @@ class DrafterState:
         # draft another: DISCO's classifier, or a recorder of calibration traces. None: always.
         self.stopper: Callable[[np.ndarray, int], bool] | None = None
         self._position = 0
-        # This draft's catching up: seconds in forwards that fed more than one position (the prompt,
-        # or committed tokens the drafter had not seen). The cost schedule keeps it apart from the cost
-        # of a drafted token, which it must predict.
+        # This draft's catching up: what a forward that fed more than STEADY_PENDING positions (the
+        # prompt, or tokens committed during plain steps) cost beyond a one-position step. That
+        # forward also gives the first drafted token, so only the excess is kept apart for the cost
+        # schedule, which must predict what a drafted token costs.
         self.catch_up_s = 0.0
+        self.step_s: float | None = None  # a one-position forward: its running mean (early) or EMA
 
     def budget(self, k: int) -> int:
         """How many tokens may be drafted now: at most k, none past the drafter's maximum context, and
@@ -111,8 +119,11 @@ class DrafterState:
             else:
                 self._last_logits = np.full(self.vocab.size, -np.inf, dtype=out.dtype)
                 self._last_logits[self.kept] = out[: len(self.kept)]
-            if len(pending) > 1:
-                self.catch_up_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            if len(pending) == 1:
+                self.step_s = elapsed if self.step_s is None else self.step_s + STEP_WEIGHT * (elapsed - self.step_s)
+            elif len(pending) > STEADY_PENDING:
+                self.catch_up_s += max(0.0, elapsed - (self.step_s or 0.0))
         assert self._last_logits is not None, "the drafter has no context to continue"
         return self._last_logits
 
