@@ -8,7 +8,8 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 - heuristic: k += 2 after a round where every candidate was accepted, else k -= 1 (at least 1);
 - cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
-  with a short probe every few plain steps so that a text where drafts start to pay is noticed;
+  with a short probe every few plain steps so that a text where drafts start to pay is noticed; the
+  algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again;
 - confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5);
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model.
 """
@@ -33,9 +34,10 @@ PROBE = 1
 # Cost estimates follow new measurements with this weight (exponential moving average), after a
 # plain mean over their first 1 / COST_WEIGHT measurements.
 COST_WEIGHT = 0.1
-# Every algorithm drafts at least this many rounds before the estimates decide alone (one unlucky
-# first draft must not rule an algorithm out; decay later pulls a neglected one back towards 0.5).
-EXPLORE_ROUNDS = 2
+# Which algorithm drafts is chosen on optimistic acceptance: each estimate plus this many standard
+# errors, so that one seldom tried (or tried long ago: decay shrinks its counts) is tried again, and
+# one unlucky early draft does not rule an algorithm out for the rest of the text.
+OPTIMISM = 1.0
 
 
 @dataclass
@@ -132,17 +134,19 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
-    def rate(self, i: int) -> float:
+    def rate(self, i: int, optimism: float = 0.0) -> float:
         """Estimated P(candidate i accepted | candidates before it accepted); i counts from 0.
 
         Each position's counts are smoothed towards the position before it (the first towards 1/2),
         so that a depth seldom or never drafted takes the estimate of the ones before it instead of
-        the prior, and the schedule can find out that longer drafts pay.
+        the prior, and the schedule can find out that longer drafts pay. optimism: add that many
+        standard errors of the estimate (its counts' binomial error).
         """
-        rate = 0.5
+        rate, n = 0.5, 2 * PRIOR
         for j in range(min(i, len(self.tried) - 1) + 1):
-            rate = (self.accepted[j] + 2 * PRIOR * rate) / (self.tried[j] + 2 * PRIOR)
-        return rate
+            n = self.tried[j] + 2 * PRIOR
+            rate = (self.accepted[j] + 2 * PRIOR * rate) / n
+        return min(1.0, rate + optimism * (rate * (1 - rate) / n) ** 0.5)
 
     def decay(self) -> None:
         self.accepted = [a * DECAY for a in self.accepted]
@@ -158,11 +162,11 @@ class Acceptance:
             self.tried[i] += 1.0
             self.accepted[i] += 1.0 if i < accepted else 0.0
 
-    def expected_tokens(self, m: int) -> float:
+    def expected_tokens(self, m: int, optimism: float = 0.0) -> float:
         """1 + a_1 + a_1 a_2 + ... + a_1...a_m: the tokens a round with m drafts emits on average."""
         total, run = 1.0, 1.0
         for i in range(m):
-            run *= self.rate(i)
+            run *= self.rate(i, optimism)
             total += run
         return total
 
@@ -183,7 +187,6 @@ class CostSchedule:
         self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
         self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
-        self.explored: dict[str, int] = {}  # algorithm -> rounds it drafted
         # The rest of a round over s positions (verification, warping p, the text, syncing the
         # drafter): more for a round that drafts than for a plain step, and growing with s when
         # sampling warps each position's distribution over a large vocabulary; learnt online.
@@ -206,26 +209,28 @@ class CostSchedule:
         below = [x for x in self.other_cost if x < s]
         return self.other_cost[max(below)].value * s / max(below) if below else 0.0
 
-    def _rate(self, algo: str, m: int) -> float:
+    def _rate(self, algo: str, m: int, optimism: float = 0.0) -> float:
+        """Expected tokens per second of a round drafting m tokens with this algorithm."""
         cost = self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1)
-        return self.acceptance[algo].expected_tokens(m) / cost
+        return self.acceptance[algo].expected_tokens(m, optimism) / cost
+
+    def _best_m(self, algo: str, k: int) -> int:
+        """The draft length that maximises this algorithm's expected rate (at least 1)."""
+        return max(range(1, k + 1), key=lambda m: self._rate(algo, m))
 
     def plan(self, budget: int) -> Plan:
         k = min(self.k_max, budget)
-        best_algo, best_m, best = None, 0, 1.0 / (self.target_cost[1].value + self._other(1))
-        for algo in self.proposers:
-            for m in range(1, k + 1):
-                rate = self._rate(algo, m)
-                if rate > best:
-                    best_algo, best_m, best = algo, m, rate
-        new = [a for a in self.proposers if self.explored.get(a, 0) < EXPLORE_ROUNDS]
-        if best_algo is not None and new and k > 0:
-            best_algo = new[0]
-            best_m = max(range(1, k + 1), key=lambda m: self._rate(new[0], m))
-        if best_algo is None and k > 0 and self.plain_streak >= PROBE_EVERY:
-            # A probe: the algorithm that would come closest to paying, PROBE tokens.
-            best_algo = max(self.proposers, key=lambda a: self._rate(a, min(PROBE, k)))
-            best_m = min(PROBE, k)
+        plain = 1.0 / (self.target_cost[1].value + self._other(1))
+        best_algo, best_m = None, 0
+        if k > 0:
+            # Whether to draft: on the estimates as they are (a draft that does not pay on them is a
+            # plain step). Which algorithm: the best on optimistic estimates, so that the others are
+            # tried again now and then; only while drafting pays anyway, so exploring costs little.
+            drafts = any(self._rate(a, m) > plain for a in self.proposers for m in range(1, k + 1))
+            if drafts or self.plain_streak >= PROBE_EVERY:  # else a probe of PROBE tokens
+                sizes = range(1, k + 1) if drafts else range(min(PROBE, k), min(PROBE, k) + 1)
+                best_algo = max(self.proposers, key=lambda a: max(self._rate(a, m, OPTIMISM) for m in sizes))
+                best_m = self._best_m(best_algo, k) if drafts else sizes[0]
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
         key = f"{best_algo}:{best_m}" if best_algo else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
@@ -240,13 +245,12 @@ class CostSchedule:
         if plan.proposer is None or not proposed:
             return
         algo = self._algo_of[id(plan.proposer)]
-        self.explored[algo] = self.explored.get(algo, 0) + 1
         # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
         self.draft_cost[algo].add(max(0.0, draft_s - plan.proposer.drafter.catch_up_s) / proposed)
-        # Every algorithm forgets, not only the one that drafted: one that lost on a few early drafts
-        # drifts back towards the prior and is tried again later.
+        # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
+        # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
             acc.decay()
         self.acceptance[algo].update(proposed, accepted)

@@ -100,7 +100,7 @@ class _Side:
     only with what it proposes, so it skips the target's `min_step_positions` re-feeding.
     """
 
-    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: bool = True,
+    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
                  drafter: bool = False):
         self.engine = OrtEngine(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
                                 min_step_positions=1 if drafter else None)
@@ -170,8 +170,9 @@ class Pipeline:
             raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
-            target = _Side(folder / pm.target, provider, threads, verify, spin=False)
-            drafter = _Side(folder / pm.drafter, provider, threads, verify, spin=False, drafter=True)
+            # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
+            target = _Side(folder / pm.target, provider, threads, verify, spin="run")
+            drafter = _Side(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
             maps, notes = _load_maps(folder, pm, target, drafter)
             pipe = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes)
             pipe.disco = DiscoModel.load(folder)

@@ -32,7 +32,10 @@ RECIPE="exporter=builder-0.15.2 target=$TARGET_PRECISION drafter=$DRAFTER_PRECIS
 # One export serves every folder that asks for the pair: it is made once in the cache and copied
 # (hard links where the filesystem allows) to OUT, so that scripts/test.sh after scripts/real_pair.sh
 # (or the other way round) exports nothing again.
+# Other precisions than the default get folders of their own, so that trying one (say an int4 drafter)
+# does not replace the pair the tests use.
 CANON="$CACHE/pairs/gemma3-270m_smollm2-135m"
+[ "$TARGET_PRECISION/$DRAFTER_PRECISION" = "fp32/int8" ] || CANON="${CANON}_${TARGET_PRECISION}_${DRAFTER_PRECISION}"
 fresh() { [ -f "$1/pair.json" ] && [ "$(cat "$1/.recipe" 2>/dev/null)" = "$RECIPE" ]; }
 if ! fresh "$OUT"; then
   if ! fresh "$CANON"; then

@@ -34,6 +34,16 @@ def test_shared_cache_grows_without_losing_positions(tiny_root: Path) -> None:
     np.testing.assert_array_equal(got, steps(big, IDS))
 
 
+def test_spin_settings_compute_the_same_and_unknown_ones_are_refused(tiny_root: Path) -> None:
+    """Spinning is about speed only: every setting gives the same logits; a typo is an error."""
+    folder = tiny_root / "engines" / "bl_llama"
+    ref = steps(OrtEngine(folder, provider="cpu", threads=2, spin="always"), IDS)
+    for spin in ("run", "never"):
+        np.testing.assert_array_equal(steps(OrtEngine(folder, provider="cpu", threads=2, spin=spin), IDS), ref)
+    with pytest.raises(ValueError, match="spin must be one of"):
+        OrtEngine(folder, provider="cpu", spin="sometimes")
+
+
 @pytest.mark.parametrize("name", ["bl_llama", "sp_gemma", "bl_llama_opt"])
 def test_cut_back_and_refeed_gives_the_same_logits(tiny_root: Path, name: str) -> None:
     """Rejected positions are dropped by cutting back; re-feeding other tokens there is as if fresh."""

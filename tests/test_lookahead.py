@@ -59,6 +59,19 @@ def test_cheap_accurate_drafts_go_long_with_the_better_algorithm() -> None:
     assert sched.acceptance["slem"].rate(0) > 0.8 > 0.6 > sched.acceptance["tli"].rate(0)
 
 
+def test_an_algorithm_unlucky_at_first_is_tried_again() -> None:
+    """The better algorithm's two first drafts rejected outright, the other's accepted: optimism
+    about an algorithm seldom tried brings the first back, and it ends up drafting most rounds."""
+    from edge_sd.lookahead import Plan
+
+    sched = schedule(0.003)
+    for algo, accepted in (("slem", 0), ("tli", 3)) * 2:
+        sched.observe(Plan(sched.proposers[algo], 3), 3, accepted, TARGET[4], 3 * 0.003)
+    rounds = run(sched, {"slem": 0.9, "tli": 0.6}, rounds=300)
+    slem = sum(v for key, v in rounds.items() if key.startswith("slem"))
+    assert slem > 200 and sched.acceptance["slem"].rate(0) > 0.8
+
+
 def test_costs_follow_what_rounds_measure() -> None:
     sched = schedule(0.003)
     for _ in range(100):

@@ -17,6 +17,8 @@ _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # A shared-buffer cache starts this large (positions) unless told otherwise, and grows by doubling;
 # `reserve` sizes it for a whole generation up front so that it never grows mid-way.
 DEFAULT_CAPACITY = 1024
+# When worker threads busy-wait for work (OrtEngine's `spin`).
+SPIN = ("always", "run", "never")
 
 
 class OrtEngine:
@@ -35,18 +37,16 @@ class OrtEngine:
         provider: str = "auto",
         threads: int | None = None,
         verify_files: bool = False,
-        spin: bool = True,
+        spin: str = "always",
         capacity: int | None = None,
         min_step_positions: int | None = None,
     ):
-        """spin: let ONNX Runtime's worker threads keep spinning after a run, for the next one. An
-        engine alone gains from it; a target and a drafter that take turns must not, since one
-        session's spinning threads steal the cores the other runs on (SmolLM2 drafter steps between
-        target forwards: 42 ms spinning, 27 ms not). Without it the threads still spin inside a run
-        (between its many small kernels) and stop as it returns (`force_spinning_stop`): against no
-        spinning at all, on 2 cores, a two-position Gemma-3-270M forward took 37-41 ms instead of
-        44-49 and a SmolLM2 step 7.4-8.0 instead of 9.8-10.8 (medians of 20, each setting in its
-        own process, twice).
+        """spin: when ONNX Runtime's worker threads spin (busy-wait) for work. "always": also between
+        runs, ready for the next one; an engine alone gains from it (Gemma-3-270M: 55.5 against 60
+        ms/token). "run": inside a run only, between its many small kernels, stopping as it returns
+        (`session.force_spinning_stop`): for a target and a drafter that take turns, where one
+        session's threads spinning between runs steal the cores the other runs on. "never": not at all
+        (what pairs did before "run"; `benchmarks/spin.py` compares the three).
 
         capacity: initial KV positions of a shared-layout cache. min_step_positions: override the
         manifest's (1 for a drafter, whose forwards need not agree with each other).
@@ -61,8 +61,12 @@ class OrtEngine:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if not spin:
+        if spin not in SPIN:
+            raise ValueError(f"spin must be one of {', '.join(SPIN)}, not {spin!r}")
+        if spin == "run":
             opts.add_session_config_entry("session.force_spinning_stop", "1")
+        elif spin == "never":
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         names = resolve_providers(provider)
         cap = min(m.max_context, max(capacity or DEFAULT_CAPACITY, m.sliding_window or 0))
         chosen: list = [
