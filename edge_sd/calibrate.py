@@ -63,7 +63,7 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
                          "nothing to learn from; use more or other prompts")
     w, b, mean, scale = fit_logistic(x, y)
     model = DiscoModel([float(v) for v in w], b, [float(v) for v in mean], [float(v) for v in scale],
-                       threshold=0.0, k=k, trained_on=len(y))
+                       threshold=0.0, k=k, trained_on=len(y), temperature=temperature)
     scored = [([model.prob(f) for f in feats], labels) for feats, labels in rounds]
     target_cost, _ = pipe.costs(k)
     step = statistics.median(draft_s)

@@ -287,7 +287,8 @@ def calibrate(
 ) -> None:
     """Fit DISCO's classifier (when to stop a draft) on runs of this pair, into <pair>/disco.json.
 
-    `--lookahead-schedule disco` then uses it, and `auto` stops its drafts with it.
+    `--lookahead-schedule disco` then uses it, and `auto` stops its drafts with it when it decodes as
+    the calibration did (greedy, or sampling with --temperature above 0).
 
     Examples:
 

@@ -48,6 +48,13 @@ class DiscoModel:
     k: int  # the longest draft it was calibrated for
     trained_on: int  # drafted tokens in the calibration traces
     features: tuple[str, ...] = FEATURES
+    # The temperature of the calibration runs (files written before it was recorded: greedy, the
+    # default). Acceptance and the threshold that pays differ between greedy decoding and sampling.
+    temperature: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
 
     def prob(self, x: np.ndarray) -> float:
         z = (x - np.asarray(self.mean)) / np.asarray(self.scale)

@@ -60,7 +60,7 @@ class GenerationConfig:
     # [DEFAULT_MAX_LOOKAHEAD]
     lookahead: int | None = None
     # None: cost for auto (which picks the algorithm too; with DISCO on top when the pair folder holds
-    # a calibrated disco.json), static for a named algorithm
+    # a disco.json calibrated for this kind of decoding, greedy or sampling), static for a named algorithm
     schedule: str | None = None
 
     def check(self) -> None:
@@ -254,7 +254,10 @@ class Pipeline:
         name = cfg.schedule or ("cost" if algo == "auto" else "static")
         if not proposers or state is None:
             return StaticSchedule(None, 0), 0
-        if name == "disco" or (name == "cost" and algo == "auto" and cfg.schedule is None and self.disco):
+        # auto adds DISCO's stops where the pair's classifier was calibrated for this kind of decoding
+        # (greedy or sampling); asked for by name, it runs either way.
+        calibrated = self.disco is not None and self.disco.greedy == greedy
+        if name == "disco" or (name == "cost" and algo == "auto" and cfg.schedule is None and calibrated):
             if self.disco is None:
                 raise UsageError("the disco schedule needs a calibrated pair: run `edge-sd calibrate PAIR` first")
             names = {id(p): a for a, p in proposers.items()}

@@ -146,6 +146,7 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     early and still give plain decoding's tokens."""
     import json
     import shutil
+    from dataclasses import replace
 
     from edge_sd import GenerationConfig, Pipeline
     from edge_sd.calibrate import calibrate
@@ -167,3 +168,8 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
             r = pipe.generate(prompt, cfg)
             assert r.token_ids == plain, (cfg, prompt)
             assert "disco" in r.stats.schedule and r.stats.proposed > 0
+    # Calibrated greedy (the default): auto leaves DISCO out when it samples; asked for, it runs.
+    assert data["temperature"] == 0.0
+    sampled = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=0)
+    assert "disco" not in pipe.generate("The cat", sampled).stats.schedule
+    assert "disco" in pipe.generate("The cat", replace(sampled, algorithm="tli", schedule="disco")).stats.schedule
