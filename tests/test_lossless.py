@@ -424,9 +424,21 @@ def test_auto_sampling_matches_plain_distribution(pipelines) -> None:
     assert outside == 0 and tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
 
 
-def test_default_lookahead_of_named_algorithms(pipelines) -> None:
+def test_default_lookahead_of_named_algorithms(pipelines, monkeypatch) -> None:
     """A named algorithm drafts a fixed k by default (README, "Measured"); -k and the heuristic
     schedule change it."""
+    from edge_sd.lookahead import HeuristicSchedule
+
+    steps: list[tuple[int, int, int, int]] = []  # (k before, proposed, accepted, k after) per drafting round
+    observe = HeuristicSchedule.observe
+
+    def spy(self, plan, proposed, accepted, *args, **kwargs):
+        before = self.k
+        observe(self, plan, proposed, accepted, *args, **kwargs)
+        if proposed:
+            steps.append((before, proposed, accepted, self.k))
+
+    monkeypatch.setattr(HeuristicSchedule, "observe", spy)
     cross, same = pipelines["gemma_qwen"], pipelines["llama_same"]
     greedy = cross.generate("The cat", GenerationConfig(max_new_tokens=8, algorithm="slem")).stats
     assert (greedy.algorithm, greedy.lookahead) == ("slem", 3)
@@ -437,7 +449,11 @@ def test_default_lookahead_of_named_algorithms(pipelines) -> None:
     explicit = cross.generate("The cat", GenerationConfig(max_new_tokens=8, algorithm="tli", lookahead=4)).stats
     assert explicit.lookahead == 4 and explicit.proposed <= 4 * explicit.target_forwards
     heuristic = cross.generate("The cat", GenerationConfig(max_new_tokens=24, algorithm="tli", schedule="heuristic"))
-    assert max(heuristic.stats.rounds_by_drafts) > 3  # grew after fully accepted rounds
+    assert heuristic.stats.lookahead == 3 and steps
+    # Whatever these locally trained models accept: +2 after a fully accepted round (at most 6), else -1.
+    for before, proposed, accepted, after in steps:
+        assert after == (min(6, before + 2) if accepted == proposed else max(1, before - 1))
+    assert max(heuristic.stats.rounds_by_drafts) <= max(before for before, *_ in steps)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
