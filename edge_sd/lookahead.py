@@ -134,19 +134,25 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
-    def rate(self, i: int, optimism: float = 0.0) -> float:
-        """Estimated P(candidate i accepted | candidates before it accepted); i counts from 0.
+    def rates(self, k: int, optimism: float = 0.0) -> list[float]:
+        """Estimated P(candidate i accepted | candidates before it accepted) for i = 0..k-1.
 
         Each position's counts are smoothed towards the position before it (the first towards 1/2),
         so that a depth seldom or never drafted takes the estimate of the ones before it instead of
         the prior, and the schedule can find out that longer drafts pay. optimism: add that many
         standard errors of the estimate (its counts' binomial error).
         """
-        rate, n = 0.5, 2 * PRIOR
-        for j in range(min(i, len(self.tried) - 1) + 1):
-            n = self.tried[j] + 2 * PRIOR
-            rate = (self.accepted[j] + 2 * PRIOR * rate) / n
-        return min(1.0, rate + optimism * (rate * (1 - rate) / n) ** 0.5)
+        out, rate, n = [], 0.5, 2 * PRIOR
+        for i in range(k):
+            if i < len(self.tried):
+                n = self.tried[i] + 2 * PRIOR
+                rate = (self.accepted[i] + 2 * PRIOR * rate) / n
+            out.append(min(1.0, rate + optimism * (rate * (1 - rate) / n) ** 0.5))
+        return out
+
+    def rate(self, i: int, optimism: float = 0.0) -> float:
+        """The estimate for candidate i alone (`rates`)."""
+        return self.rates(i + 1, optimism)[i]
 
     def decay(self) -> None:
         self.accepted = [a * DECAY for a in self.accepted]
@@ -164,11 +170,15 @@ class Acceptance:
 
     def expected_tokens(self, m: int, optimism: float = 0.0) -> float:
         """1 + a_1 + a_1 a_2 + ... + a_1...a_m: the tokens a round with m drafts emits on average."""
-        total, run = 1.0, 1.0
-        for i in range(m):
-            run *= self.rate(i, optimism)
-            total += run
-        return total
+        return self.tokens_by_length(m, optimism)[m]
+
+    def tokens_by_length(self, k: int, optimism: float = 0.0) -> list[float]:
+        """expected_tokens(m) for m = 0..k, in one pass."""
+        out, run = [1.0], 1.0
+        for a in self.rates(k, optimism):
+            run *= a
+            out.append(out[-1] + run)
+        return out
 
 
 class CostSchedule:
@@ -209,14 +219,11 @@ class CostSchedule:
         below = [x for x in self.other_cost if x < s]
         return self.other_cost[max(below)].value * s / max(below) if below else 0.0
 
-    def _rate(self, algo: str, m: int, optimism: float = 0.0) -> float:
-        """Expected tokens per second of a round drafting m tokens with this algorithm."""
-        cost = self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1)
-        return self.acceptance[algo].expected_tokens(m, optimism) / cost
-
-    def _best_m(self, algo: str, k: int) -> int:
-        """The draft length that maximises this algorithm's expected rate (at least 1)."""
-        return max(range(1, k + 1), key=lambda m: self._rate(algo, m))
+    def _rates(self, algo: str, k: int, optimism: float = 0.0) -> list[float]:
+        """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1])."""
+        tokens = self.acceptance[algo].tokens_by_length(k, optimism)
+        return [tokens[m] / (self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1))
+                for m in range(1, k + 1)]
 
     def plan(self, budget: int) -> Plan:
         k = min(self.k_max, budget)
@@ -226,11 +233,13 @@ class CostSchedule:
             # Whether to draft: on the estimates as they are (a draft that does not pay on them is a
             # plain step). Which algorithm: the best on optimistic estimates, so that the others are
             # tried again now and then; only while drafting pays anyway, so exploring costs little.
-            drafts = any(self._rate(a, m) > plain for a in self.proposers for m in range(1, k + 1))
+            rates = {a: self._rates(a, k) for a in self.proposers}
+            drafts = max(max(r) for r in rates.values()) > plain
             if drafts or self.plain_streak >= PROBE_EVERY:  # else a probe of PROBE tokens
-                sizes = range(1, k + 1) if drafts else range(min(PROBE, k), min(PROBE, k) + 1)
-                best_algo = max(self.proposers, key=lambda a: max(self._rate(a, m, OPTIMISM) for m in sizes))
-                best_m = self._best_m(best_algo, k) if drafts else sizes[0]
+                longest = k if drafts else min(PROBE, k)
+                shortest = 1 if drafts else longest
+                best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
+                best_m = 1 + int(np.argmax(rates[best_algo])) if drafts else longest
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
         key = f"{best_algo}:{best_m}" if best_algo else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
