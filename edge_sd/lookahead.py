@@ -9,7 +9,8 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 - cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
   with a short probe every few plain steps so that a text where drafts start to pay is noticed; the
-  algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again;
+  algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in greedy
+  decoding the length too, so that depths seldom verified are tried);
 - confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5);
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model.
 """
@@ -187,13 +188,20 @@ class CostSchedule:
     target_cost(s): seconds of a target forward over s positions (calibrated at load, then followed
     online); the drafting cost per drafted token is measured per algorithm as the rounds run (the
     proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
+
+    depth_optimism: the standard errors added to the acceptance estimates when choosing how far to
+    draft (once drafting pays on the plain estimates). Greedy drafts agree in runs, so a candidate
+    after an accepted one is accepted far more often than the first: judged on the first position,
+    longer drafts never look worth trying, and optimism about depths seldom verified finds them.
+    Sampled candidates are accepted about equally at every depth, and there it only costs.
     """
 
     name = "cost"
 
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
-                 draft_cost: dict[str, float]):
+                 draft_cost: dict[str, float], depth_optimism: float = 0.0):
         self.k_max = k_max
+        self.depth_optimism = depth_optimism
         self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
         self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
@@ -239,7 +247,8 @@ class CostSchedule:
                 longest = k if drafts else min(PROBE, k)
                 shortest = 1 if drafts else longest
                 best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
-                best_m = 1 + int(np.argmax(rates[best_algo])) if drafts else longest
+                depths = self._rates(best_algo, longest, self.depth_optimism)[shortest - 1:]
+                best_m = shortest + int(np.argmax(depths))
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
         key = f"{best_algo}:{best_m}" if best_algo else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1

@@ -17,6 +17,7 @@ from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
 from edge_sd.lookahead import (
+    OPTIMISM,
     ConfidenceSchedule,
     CostSchedule,
     DiscoSchedule,
@@ -274,7 +275,8 @@ class Pipeline:
                 self._cost_schedules[key].rebind(proposers)
             else:
                 target, step = self.costs(k)
-                self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers})
+                self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers},
+                                                         depth_optimism=OPTIMISM if greedy else 0.0)
             return self._cost_schedules[key], k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:

@@ -10,13 +10,14 @@ K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
 
 
-def schedule(draft_s: float, algos=("slem", "tli")) -> CostSchedule:
+def schedule(draft_s: float, algos=("slem", "tli"), depth_optimism: float = 0.0) -> CostSchedule:
     proposers = {a: SimpleNamespace(name=a, drafter=SimpleNamespace(catch_up_s=0.0)) for a in algos}
-    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos})
+    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, depth_optimism)
 
 
-def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200) -> dict:
-    """Feed the schedule rounds whose candidates are accepted with these per-algorithm rates."""
+def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later: float | None = None) -> dict:
+    """Feed the schedule rounds whose candidates are accepted with these per-algorithm rates (and,
+    when `later` is given, every candidate after the first at that rate, whatever the algorithm)."""
     import random
 
     rng = random.Random(0)
@@ -26,7 +27,7 @@ def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200) -> dic
             sched.observe(plan, 0, 0, TARGET[1], 0.0)
             continue
         a = 0
-        while a < plan.m and rng.random() < accept[plan.proposer.name]:
+        while a < plan.m and rng.random() < (accept[plan.proposer.name] if a == 0 or later is None else later):
             a += 1
         sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.draft_cost[plan.proposer.name].value)
     return sched.rounds
@@ -70,6 +71,19 @@ def test_an_algorithm_unlucky_at_first_is_tried_again() -> None:
     rounds = run(sched, {"slem": 0.9, "tli": 0.6}, rounds=300)
     slem = sum(v for key, v in rounds.items() if key.startswith("slem"))
     assert slem > 200 and sched.acceptance["slem"].rate(0) > 0.8
+
+
+def test_optimism_about_depth_finds_that_long_drafts_pay() -> None:
+    """Greedy drafts agree in runs: half the first candidates are accepted, but 95% of the ones after
+    an accepted one. Judged on the first position alone, a second candidate never looks worth its
+    cost and the schedule drafts one token for ever; optimism about depths seldom verified tries
+    them, sees the runs, and drafts long."""
+    from edge_sd.lookahead import OPTIMISM
+
+    short = run(schedule(0.006), {"slem": 0.5, "tli": 0.5}, later=0.95)
+    assert sum(v for key, v in short.items() if key.endswith(":1")) > 140
+    long = run(schedule(0.006, depth_optimism=OPTIMISM), {"slem": 0.5, "tli": 0.5}, later=0.95)
+    assert sum(v for key, v in long.items() if key != "plain" and int(key.split(":")[1]) >= 4) > 150
 
 
 def test_costs_follow_what_rounds_measure() -> None:
