@@ -217,6 +217,7 @@ class CostSchedule:
         self.proposers = proposers
         self._algo_of = {id(p): name for name, p in proposers.items()}
         self.plain_streak = 0
+        self.planned_rate = 0.0
         self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds of this generation
 
     def _other(self, s: int) -> float:
@@ -250,9 +251,24 @@ class CostSchedule:
                 depths = self._rates(best_algo, longest, self.depth_optimism)[shortest - 1:]
                 best_m = shortest + int(np.argmax(depths))
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
+        # The rate this round is planned to reach: a further drafted token pays if it adds at least as much.
+        self.planned_rate = rates[best_algo][best_m - 1] if best_algo and drafts else plain
         key = f"{best_algo}:{best_m}" if best_algo else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
         return Plan(self.proposers[best_algo] if best_algo else None, best_m)
+
+    def worth_another(self, proposer: Proposer, drafted: int, p_accepted: float) -> bool:
+        """Whether to draft one more token after `drafted`, the last of which is accepted with
+        probability p_accepted (DISCO's estimate): if the tokens it adds on average, per second it adds
+        (a drafter step, one more target position), reach the rate the round was planned for."""
+        algo = self._algo_of[id(proposer)]
+        s = drafted + 1  # the target forward's positions so far
+        if s + 1 not in self.target_cost:
+            return False
+        gain = p_accepted * self.acceptance[algo].rates(drafted + 1, self.depth_optimism)[drafted]
+        cost = (self.draft_cost[algo].value + self.target_cost[s + 1].value - self.target_cost[s].value
+                + self._other(s + 1) - self._other(s))
+        return gain >= self.planned_rate * cost
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
@@ -287,7 +303,8 @@ class CostSchedule:
 class DiscoSchedule:
     """DISCO on top of another schedule: the inner one decides whether to draft and how far at most
     (a static k, or the cost model's m); the classifier stops a draft early after any drafted token
-    whose predicted acceptance falls below the calibrated threshold."""
+    whose predicted acceptance falls below the calibrated threshold, or, on top of the cost model,
+    where the token after it would not add what it costs (CostSchedule.worth_another)."""
 
     name = "disco"
 
@@ -295,16 +312,22 @@ class DiscoSchedule:
         self.inner, self.model, self.names = inner, model, names
         self.recent = 0.5
         self.algo = ""
+        self.proposer: Proposer | None = None
         self.stopped = 0
         state.stopper = self._keep_drafting
 
     def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
-        keep = self.model.prob(token_features(logits, position, self.recent, self.algo)) >= self.model.threshold
+        p = self.model.prob(token_features(logits, position, self.recent, self.algo))
+        if isinstance(self.inner, CostSchedule) and self.proposer is not None:
+            keep = self.inner.worth_another(self.proposer, position, p)
+        else:
+            keep = p >= self.model.threshold
         self.stopped += not keep
         return keep
 
     def plan(self, budget: int) -> Plan:
         plan = self.inner.plan(budget)
+        self.proposer = plan.proposer
         self.algo = self.names.get(id(plan.proposer), "")
         return plan
 

@@ -86,6 +86,24 @@ def test_optimism_about_depth_finds_that_long_drafts_pay() -> None:
     assert sum(v for key, v in long.items() if key != "plain" and int(key.split(":")[1]) >= 4) > 150
 
 
+def test_disco_stops_where_another_token_would_not_pay() -> None:
+    """On top of the cost model, a draft goes on while the next token's expected gain (DISCO's
+    probability that the last one is accepted, times the acceptance estimate of the next) per second
+    it adds reaches the rate the round was planned for."""
+    sched = schedule(0.006)
+    run(sched, {"slem": 0.8, "tli": 0.5})
+    plan = sched.plan(K)
+    assert plan.proposer is not None and plan.m > 1
+    algo = plan.proposer.name
+    a = sched.acceptance[algo].rates(2)[1]
+    cost = 0.006 + TARGET[3] - TARGET[2]  # a drafter step and one more target position
+    break_even = sched.planned_rate * cost / a
+    assert 0.05 < break_even < 0.95
+    assert sched.worth_another(plan.proposer, 1, break_even + 0.02)
+    assert not sched.worth_another(plan.proposer, 1, break_even - 0.02)
+    assert not sched.worth_another(plan.proposer, K, 1.0)  # no target cost beyond K + 1 positions
+
+
 def test_costs_follow_what_rounds_measure() -> None:
     sched = schedule(0.003)
     for _ in range(100):
