@@ -189,19 +189,19 @@ class CostSchedule:
     online); the drafting cost per drafted token is measured per algorithm as the rounds run (the
     proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
 
-    depth_optimism: the standard errors added to the acceptance estimates when choosing how far to
-    draft (once drafting pays on the plain estimates). Greedy drafts agree in runs, so a candidate
-    after an accepted one is accepted far more often than the first: judged on the first position,
-    longer drafts never look worth trying, and optimism about depths seldom verified finds them.
-    Sampled candidates are accepted about equally at every depth, and there it only costs.
+    greedy: the draft length is chosen on optimistic acceptance too (once drafting pays on the plain
+    estimates). Greedy drafts agree in runs, so a candidate after an accepted one is accepted far
+    more often than the first: judged on the first position, longer drafts never look worth trying,
+    and optimism about depths seldom verified finds them. Sampled candidates are accepted about
+    equally at every depth, and there it only costs.
     """
 
     name = "cost"
 
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
-                 draft_cost: dict[str, float], depth_optimism: float = 0.0):
+                 draft_cost: dict[str, float], greedy: bool = False):
         self.k_max = k_max
-        self.depth_optimism = depth_optimism
+        self.depth_optimism = OPTIMISM if greedy else 0.0
         self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
         self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
         self.acceptance = {name: Acceptance() for name in proposers}
@@ -217,7 +217,11 @@ class CostSchedule:
         self.proposers = proposers
         self._algo_of = {id(p): name for name, p in proposers.items()}
         self.plain_streak = 0
+        # What this round was planned on, for worth_another: its expected rate (tokens per second),
+        # the drafting algorithm's acceptance estimates and cost per token (none changes inside a round).
         self.planned_rate = 0.0
+        self.planned_acceptance: list[float] = []
+        self.planned_draft_cost = 0.0
         self.rounds: dict[str, int] = {}  # "slem:3" / "plain" -> rounds of this generation
 
     def _other(self, s: int) -> float:
@@ -248,25 +252,29 @@ class CostSchedule:
                 longest = k if drafts else min(PROBE, k)
                 shortest = 1 if drafts else longest
                 best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
-                depths = self._rates(best_algo, longest, self.depth_optimism)[shortest - 1:]
-                best_m = shortest + int(np.argmax(depths))
+                best_m = longest
+                if drafts:
+                    depths = self._rates(best_algo, k, self.depth_optimism) if self.depth_optimism else rates[best_algo]
+                    best_m = 1 + int(np.argmax(depths))
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
-        # The rate this round is planned to reach: a further drafted token pays if it adds at least as much.
         self.planned_rate = rates[best_algo][best_m - 1] if best_algo and drafts else plain
+        if best_algo:  # to the longest draft, as the stopper is asked after the last drafted token too
+            self.planned_acceptance = self.acceptance[best_algo].rates(self.k_max, self.depth_optimism)
+            self.planned_draft_cost = self.draft_cost[best_algo].value
         key = f"{best_algo}:{best_m}" if best_algo else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
         return Plan(self.proposers[best_algo] if best_algo else None, best_m)
 
-    def worth_another(self, proposer: Proposer, drafted: int, p_accepted: float) -> bool:
-        """Whether to draft one more token after `drafted`, the last of which is accepted with
-        probability p_accepted (DISCO's estimate): if the tokens it adds on average, per second it adds
-        (a drafter step, one more target position), reach the rate the round was planned for."""
-        algo = self._algo_of[id(proposer)]
+    def worth_another(self, drafted: int, p_accepted: float) -> bool:
+        """In the round just planned, whether to draft one more token after `drafted`, the last of
+        which is accepted with probability p_accepted (DISCO's estimate): if the tokens it adds on
+        average, per second it adds (a drafter step, one more target position), reach the rate the
+        round was planned for."""
         s = drafted + 1  # the target forward's positions so far
-        if s + 1 not in self.target_cost:
+        if drafted >= len(self.planned_acceptance) or s + 1 not in self.target_cost:
             return False
-        gain = p_accepted * self.acceptance[algo].rates(drafted + 1, self.depth_optimism)[drafted]
-        cost = (self.draft_cost[algo].value + self.target_cost[s + 1].value - self.target_cost[s].value
+        gain = p_accepted * self.planned_acceptance[drafted]
+        cost = (self.planned_draft_cost + self.target_cost[s + 1].value - self.target_cost[s].value
                 + self._other(s + 1) - self._other(s))
         return gain >= self.planned_rate * cost
 
@@ -312,14 +320,13 @@ class DiscoSchedule:
         self.inner, self.model, self.names = inner, model, names
         self.recent = 0.5
         self.algo = ""
-        self.proposer: Proposer | None = None
         self.stopped = 0
         state.stopper = self._keep_drafting
 
     def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
         p = self.model.prob(token_features(logits, position, self.recent, self.algo))
-        if isinstance(self.inner, CostSchedule) and self.proposer is not None:
-            keep = self.inner.worth_another(self.proposer, position, p)
+        if isinstance(self.inner, CostSchedule):
+            keep = self.inner.worth_another(position, p)
         else:
             keep = p >= self.model.threshold
         self.stopped += not keep
@@ -327,7 +334,6 @@ class DiscoSchedule:
 
     def plan(self, budget: int) -> Plan:
         plan = self.inner.plan(budget)
-        self.proposer = plan.proposer
         self.algo = self.names.get(id(plan.proposer), "")
         return plan
 

@@ -17,7 +17,6 @@ from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine
 from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
 from edge_sd.lookahead import (
-    OPTIMISM,
     ConfidenceSchedule,
     CostSchedule,
     DiscoSchedule,
@@ -276,7 +275,7 @@ class Pipeline:
             else:
                 target, step = self.costs(k)
                 self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers},
-                                                         depth_optimism=OPTIMISM if greedy else 0.0)
+                                                         greedy=greedy)
             return self._cost_schedules[key], k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:

@@ -10,9 +10,9 @@ K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
 
 
-def schedule(draft_s: float, algos=("slem", "tli"), depth_optimism: float = 0.0) -> CostSchedule:
+def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False) -> CostSchedule:
     proposers = {a: SimpleNamespace(name=a, drafter=SimpleNamespace(catch_up_s=0.0)) for a in algos}
-    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, depth_optimism)
+    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, greedy)
 
 
 def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later: float | None = None) -> dict:
@@ -78,11 +78,9 @@ def test_optimism_about_depth_finds_that_long_drafts_pay() -> None:
     an accepted one. Judged on the first position alone, a second candidate never looks worth its
     cost and the schedule drafts one token for ever; optimism about depths seldom verified tries
     them, sees the runs, and drafts long."""
-    from edge_sd.lookahead import OPTIMISM
-
     short = run(schedule(0.006), {"slem": 0.5, "tli": 0.5}, later=0.95)
     assert sum(v for key, v in short.items() if key.endswith(":1")) > 140
-    long = run(schedule(0.006, depth_optimism=OPTIMISM), {"slem": 0.5, "tli": 0.5}, later=0.95)
+    long = run(schedule(0.006, greedy=True), {"slem": 0.5, "tli": 0.5}, later=0.95)
     assert sum(v for key, v in long.items() if key != "plain" and int(key.split(":")[1]) >= 4) > 150
 
 
@@ -99,9 +97,9 @@ def test_disco_stops_where_another_token_would_not_pay() -> None:
     cost = 0.006 + TARGET[3] - TARGET[2]  # a drafter step and one more target position
     break_even = sched.planned_rate * cost / a
     assert 0.05 < break_even < 0.95
-    assert sched.worth_another(plan.proposer, 1, break_even + 0.02)
-    assert not sched.worth_another(plan.proposer, 1, break_even - 0.02)
-    assert not sched.worth_another(plan.proposer, K, 1.0)  # no target cost beyond K + 1 positions
+    assert sched.worth_another(1, break_even + 0.02)
+    assert not sched.worth_another(1, break_even - 0.02)
+    assert not sched.worth_another(K, 1.0)  # no target cost beyond K + 1 positions
 
 
 def test_costs_follow_what_rounds_measure() -> None:
