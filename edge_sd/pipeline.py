@@ -198,14 +198,24 @@ class Pipeline:
             )
         return algo
 
-    def candidates(self, algo: str) -> tuple[str, ...]:
-        """The algorithms a resolved algorithm drafts with: auto weighs every one that fits the pair."""
+    def candidates(self, algo: str, greedy: bool = False) -> tuple[str, ...]:
+        """The algorithms a resolved algorithm drafts with: auto weighs every one that fits the pair,
+        except in greedy decoding across vocabularies, where it drafts with SLEM alone.
+
+        Greedy, every rule accepts a candidate exactly when it is the target's argmax, and SLEM's
+        candidates are the target's own tokenization of the drafter's greedy text, which TLI (drafting
+        from the shared tokens only) and SLRS (proposing prefixes of the drafter's tokens) approximate.
+        Measured on both pairs here, SLEM was accepted more at every k, and auto weighing all three
+        ran at 1.21x plain decoding (mean of 32 greedy generations; median 1.20x) against 1.29x (1.25x)
+        with SLEM alone, side by side: exploring the others costs and never finds them better."""
         if algo == "ar":
             return ()
         if algo != "auto":
             return (algo,)
         if self.same_vocab:
             return ("standard",)
+        if greedy:
+            return ("slem",)
         return ("slem", "tli", "slrs", "rdk") if self.kernel is not None else ("slem", "tli", "slrs")
 
     def _proposers(self, algos: tuple[str, ...], cfg: SamplingConfig, rng: np.random.Generator,
@@ -316,7 +326,7 @@ class Pipeline:
             # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
             if 0 < len(d_ids) < self.drafter.manifest.max_context:
                 state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids, self.drafter.kept)
-                proposers = self._proposers(self.candidates(algo), sampling, rng, state)
+                proposers = self._proposers(self.candidates(algo, sampling.greedy), sampling, rng, state)
         schedule, k = self._schedule(algo, cfg, proposers, state, sampling.greedy)
         if make_schedule is not None and proposers:
             schedule = make_schedule(proposers)

@@ -154,6 +154,7 @@ def test_rdk_needs_a_kernel(pipelines) -> None:
         pipelines["gemma_qwen"].generate("The cat", GenerationConfig(algorithm="rdk"))
     pipe = pipelines["gemma_qwen_keep50"]
     assert pipe.candidates("auto") == ("slem", "tli", "slrs", "rdk")
+    assert pipe.candidates("auto", greedy=True) == ("slem",)
 
 
 def test_pruning_with_corpus_lines_longer_than_the_context(tiny_root: Path, tmp_path: Path, vocabs) -> None:
