@@ -166,8 +166,8 @@ def generate(
         "cost schedule the longest draft [6]."),
     schedule: Optional[str] = typer.Option(
         None, "--lookahead-schedule", "-s", help="static | heuristic | confidence | cost | disco [cost with "
-        "-a auto, which also picks the algorithm each round (with disco on top once calibrated); static "
-        "otherwise]."),
+        "-a auto, which also picks the algorithm each round when sampling (greedy: slem, across "
+        "vocabularies), with disco on top once calibrated; static otherwise]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
