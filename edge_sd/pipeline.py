@@ -199,15 +199,20 @@ class Pipeline:
         return algo
 
     def candidates(self, algo: str, greedy: bool = False) -> tuple[str, ...]:
-        """The algorithms a resolved algorithm drafts with: auto weighs every one that fits the pair,
-        except in greedy decoding across vocabularies, where it drafts with SLEM alone.
+        """The algorithms a resolved algorithm drafts with. auto: `standard` for a shared vocabulary;
+        across vocabularies SLEM alone in greedy decoding, TLI and SLRS (and RDK on a pair with a
+        kernel) when sampling.
 
         Greedy, every rule accepts a candidate exactly when it is the target's argmax, and SLEM's
         candidates are the target's own tokenization of the drafter's greedy text, which TLI (drafting
         from the shared tokens only) and SLRS (proposing prefixes of the drafter's tokens) approximate.
-        Measured on both pairs here, SLEM was accepted more at every k, and auto weighing all three
-        ran at 1.21x plain decoding (mean of 32 greedy generations; median 1.20x) against 1.29x (1.25x)
-        with SLEM alone, side by side: exploring the others costs and never finds them better."""
+        Sampling, SLEM's candidate is accepted only when the target samples the drafter's greedy text
+        exactly, TLI's and SLRS's with min(1, p/q). Measured on both pairs here, SLEM was accepted more
+        than the other two at every k greedy and less at every k sampling (T=1); side by side, auto
+        weighing all three ran at 1.21x plain decoding greedy (mean of 32 generations; median 1.20x)
+        against 1.29x (1.25x) with SLEM alone, and sampling at medians of 0.98x and 1.01x (two passes of
+        16 generations) against 1.02x and 1.05x without SLEM: exploring the weaker ones costs and never
+        finds them better."""
         if algo == "ar":
             return ()
         if algo != "auto":
@@ -216,7 +221,7 @@ class Pipeline:
             return ("standard",)
         if greedy:
             return ("slem",)
-        return ("slem", "tli", "slrs", "rdk") if self.kernel is not None else ("slem", "tli", "slrs")
+        return ("tli", "slrs", "rdk") if self.kernel is not None else ("tli", "slrs")
 
     def _proposers(self, algos: tuple[str, ...], cfg: SamplingConfig, rng: np.random.Generator,
                    state: DrafterState) -> dict[str, Proposer]:
