@@ -39,6 +39,10 @@ COST_WEIGHT = 0.1
 # errors, so that one seldom tried (or tried long ago: decay shrinks its counts) is tried again, and
 # one unlucky early draft does not rule an algorithm out for the rest of the text.
 OPTIMISM = 1.0
+# A new generation is a new text: the acceptance counts of the ones before it are kept as a prior worth
+# at most this many rounds (of the first position), so that a text unlike the last is soon judged on
+# its own rounds rather than on the last text's.
+CARRY = 4.0
 
 
 @dataclass
@@ -155,6 +159,13 @@ class Acceptance:
         """The estimate for candidate i alone (`rates`)."""
         return self.rates(i + 1, optimism)[i]
 
+    def shrink(self, weight: float) -> None:
+        """Scale the counts so that the first position's come to at most `weight` rounds."""
+        if self.tried and self.tried[0] > weight:
+            f = weight / self.tried[0]
+            self.accepted = [a * f for a in self.accepted]
+            self.tried = [t * f for t in self.tried]
+
     def decay(self) -> None:
         self.accepted = [a * DECAY for a in self.accepted]
         self.tried = [t * DECAY for t in self.tried]
@@ -209,12 +220,15 @@ class CostSchedule:
         # drafter): more for a round that drafts than for a plain step, and growing with s when
         # sampling warps each position's distribution over a large vocabulary; learnt online.
         self.other_cost: dict[int, Estimate] = {}
+        self.carry = CARRY
         self.rebind(proposers)
 
     def rebind(self, proposers: dict[str, Proposer]) -> None:
         """Start a new generation with new proposers, keeping what the costs and acceptance taught
         (a pipeline keeps one schedule per sampling mode, so each generation starts informed)."""
         self.proposers = proposers
+        for acc in self.acceptance.values():
+            acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
         self.plain_streak = 0
         # What this round was planned on, for worth_another: its expected rate (tokens per second),
@@ -363,15 +377,17 @@ class TraceRecorder(StaticSchedule):
         self.draft_s: list[float] = []  # seconds per drafted token, per round
         self._features: list[np.ndarray] = []
         self._ends: list[int] = []
+        self._start = 0
 
     def _record(self, logits: np.ndarray, position: int) -> bool:
         self._features.append(token_features(logits, position, self.recent, self.algo))
         last = self.state.vocab.token_bytes[self.state.ids[-1]] or b""
-        self._ends.append((self._ends[-1] if self._ends else 0) + len(last))
+        self._ends.append((self._ends[-1] if self._ends else self._start) + len(last))
         return True
 
     def plan(self, budget: int) -> Plan:
         self._features, self._ends = [], []
+        self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
         return super().plan(budget)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,

@@ -330,8 +330,12 @@ class Pipeline:
             d_ids = self.drafter.prompt_ids(prompt, cfg.chat and bool(self.drafter.manifest.chat_template))
             # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
             if 0 < len(d_ids) < self.drafter.manifest.max_context:
-                state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids, self.drafter.kept)
-                proposers = self._proposers(self.candidates(algo, sampling.greedy), sampling, rng, state)
+                algos = self.candidates(algo, sampling.greedy)
+                # Healing the prompt's end suits proposers that hand over text; the others map the
+                # drafter's tokens one by one, and the healed first token spans the prompt's end.
+                state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids, self.drafter.kept,
+                                     heal=algos == ("slem",))
+                proposers = self._proposers(algos, sampling, rng, state)
         schedule, k = self._schedule(algo, cfg, proposers, state, sampling.greedy)
         if make_schedule is not None and proposers:
             schedule = make_schedule(proposers)

@@ -113,6 +113,7 @@ class Vocab:
         # One space-prefix probe for the encoders that add a leading "▁" to every text (Llama-2).
         probe = tokenizer.encode("a", add_special_tokens=False).ids
         self.adds_prefix_space = self.ids_bytes(probe) == b" a"
+        self._starting_with: dict[bytes, np.ndarray] = {}
 
     @functools.cached_property
     def by_bytes(self) -> dict[bytes, int]:
@@ -123,6 +124,13 @@ class Vocab:
             if b and (b not in table or table[b] in self.byte_fallback_ids):
                 table[b] = t
         return table
+
+    def ids_starting_with(self, prefix: bytes) -> np.ndarray:
+        """The ids whose bytes begin with `prefix` (remembered per prefix: prompts often end alike)."""
+        if prefix not in self._starting_with:
+            self._starting_with[prefix] = np.asarray(
+                [t for t, b in enumerate(self.token_bytes) if b and b.startswith(prefix)], dtype=np.int64)
+        return self._starting_with[prefix]
 
     @functools.cached_property
     def max_token_len(self) -> int:

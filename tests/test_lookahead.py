@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from edge_sd.lookahead import PROBE_EVERY, Acceptance, CostSchedule, HeuristicSchedule
+from edge_sd.lookahead import CARRY, PROBE_EVERY, Acceptance, CostSchedule, HeuristicSchedule
 
 K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
@@ -82,6 +82,23 @@ def test_optimism_about_depth_finds_that_long_drafts_pay() -> None:
     assert sum(v for key, v in short.items() if key.endswith(":1")) > 140
     long = run(schedule(0.006, greedy=True), {"slem": 0.5, "tli": 0.5}, later=0.95)
     assert sum(v for key, v in long.items() if key != "plain" and int(key.split(":")[1]) >= 4) > 150
+
+
+def test_a_new_text_is_judged_on_its_own_rounds() -> None:
+    """After a text where drafts were seldom accepted (plain steps with probes), a new generation
+    keeps what that taught as a prior worth CARRY rounds: when the new text is predictable, the first
+    probe's success is enough to draft long, where full counts kept it plain twice as long."""
+    plain_steps = {}
+    for carry in (CARRY, float("inf")):
+        sched = schedule(0.006, greedy=True)
+        sched.carry = carry
+        run(sched, {"slem": 0.05, "tli": 0.05}, rounds=300)
+        sched.rebind(sched.proposers)
+        rounds = run(sched, {"slem": 0.9, "tli": 0.9}, rounds=30)
+        plain_steps[carry] = rounds.get("plain", 0)
+        if carry == CARRY:
+            assert sum(v for key, v in rounds.items() if key.endswith(f":{K}")) >= 15
+    assert plain_steps[CARRY] <= PROBE_EVERY < plain_steps[float("inf")]
 
 
 def test_disco_stops_where_another_token_would_not_pay() -> None:

@@ -186,3 +186,32 @@ def test_budget_stops_drafting_when_lagging_or_out_of_room(k: int) -> None:
     assert state.budget(k) == 0
     state = DrafterState(ScriptedEngine([LOGITS], max_context=3), DRAFTER, [1, 2])
     assert state.budget(k) == min(k, 1)
+
+
+def test_healing_drafts_on_from_inside_the_prompts_last_token() -> None:
+    """Healing takes the prompt's last token ("b") back: the first drafted token must begin with its
+    bytes ("bca" over the drafter's favourite "a"), SLEM hands over only what follows them ("ca"),
+    and a sync spells the healed bytes before the generated text."""
+    rows = [[0, 5, 0, 0, 0, 3, 0], [0, 9, 0, 0, 0, 0, 0]]  # "a" first, "bca" best of those from "b"
+    state = DrafterState(ScriptedEngine(rows), DRAFTER, [1, 2], heal=True)
+    assert (state.ids, state.head, state.healing) == ([1], b"b", b"b")
+    draft = SLEMProposer(state, TARGET, [0]).propose(2, [0, 1])
+    assert state.ids[1] == 5 and draft.candidates == [2, 0]  # "ca" + "a": c, a
+    assert state.healing == b""  # a drafted token covers the healed bytes
+    state.sync(b"ca")  # the target accepted "ca": "bca" spells b + ca and stays
+    assert state.ids == [1, 5] and not state.lagging
+    state = DrafterState(ScriptedEngine(rows), DRAFTER, [1, 2], heal=True)
+    SLEMProposer(state, TARGET, [0]).propose(2, [0, 1])
+    state.sync(b"a")  # the target said "a" instead: "bca" goes, the window "ba" is re-tokenized
+    assert state.ids == [1, 2, 1] and state.engine.n_cached == 1 and not state.lagging
+    # Without healing the drafter continues after the prompt's "b" with its favourite "a".
+    plain = DrafterState(ScriptedEngine(rows), DRAFTER, [1, 2])
+    assert SLEMProposer(plain, TARGET, [0]).propose(1, [0, 1]).candidates == [0] and plain.head == b""
+
+
+def test_no_healing_where_it_cannot_draft() -> None:
+    """A one-token prompt, a special last token, or a pruned head that keeps none of the tokens
+    beginning with the prompt's end: the prompt stays whole."""
+    for ids, kept in (([2], None), ([1, 0], None), ([1, 2], np.array([0, 1, 3]))):
+        state = DrafterState(ScriptedEngine([LOGITS]), DRAFTER, ids, kept, heal=True)
+        assert state.ids == ids and state.head == b"" and state.healing == b""

@@ -71,13 +71,31 @@ class DrafterState:
     are in the KV cache; the rest are fed on the next forward.
     """
 
-    def __init__(self, engine: Engine, vocab: Vocab, prompt_ids: list[int], kept: np.ndarray | None = None):
-        """kept: the drafter id of each logits column of a pruned LM head (None: column i is id i)."""
+    def __init__(self, engine: Engine, vocab: Vocab, prompt_ids: list[int], kept: np.ndarray | None = None,
+                 heal: bool = False):
+        """kept: the drafter id of each logits column of a pruned LM head (None: column i is id i).
+
+        heal: token healing of the prompt's end, for proposers that hand over text (SLEM). A prompt
+        cut where the drafter's tokenizer would have merged on (code ending in "\n" before the next
+        line's indentation) leaves the drafter after a token it seldom saw there: its first draft was
+        rejected after 8 of 8 code prompts. Healing takes the prompt's last token back into the
+        generated text (`head`) and makes the first drafted token begin with its bytes; the text after
+        them is the draft.
+        """
         self.engine = engine
         self.vocab = vocab
         self.kept = kept
         self.ids = list(prompt_ids)
-        self.n_prompt = len(prompt_ids)
+        self.head = b""
+        self._head_ids: np.ndarray | None = None
+        last = vocab.token_bytes[prompt_ids[-1]] if heal and len(prompt_ids) > 1 else None
+        if last:
+            allowed = vocab.ids_starting_with(last)
+            allowed = allowed if kept is None else np.intersect1d(allowed, kept)
+            if len(allowed):  # a pruned head may keep none of them: no healing then
+                self.ids.pop()
+                self.head, self._head_ids = last, allowed
+        self.n_prompt = len(self.ids)
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
         self.ends: list[int] = []  # byte end of each generated-region token known to match the text
         self._last_logits: np.ndarray | None = None
@@ -125,7 +143,17 @@ class DrafterState:
             elif len(pending) > STEADY_PENDING:
                 self.catch_up_s += max(0.0, elapsed - (self.step_s or 0.0))
         assert self._last_logits is not None, "the drafter has no context to continue"
+        if self.healing:
+            healed = np.full_like(self._last_logits, -np.inf)
+            healed[self._head_ids] = self._last_logits[self._head_ids]
+            return healed
         return self._last_logits
+
+    @property
+    def healing(self) -> bytes:
+        """The bytes the next drafted token must begin with: the healed prompt end, until a token
+        covers it (empty when not healing)."""
+        return self.head if len(self.ids) == self.n_prompt else b""
 
     def push(self, d: int) -> None:
         self.ids.append(int(d))
@@ -137,6 +165,7 @@ class DrafterState:
         The committed text only grows, so tokens that matched at the last sync still match: the walk
         starts after them, and the cost of a round does not grow with the length of the output.
         """
+        generated = self.head + generated  # the healed prompt end is the generated text's start
         tb = self.vocab.token_bytes
         gen = self.ids[self.n_prompt :]
         j = len(self.ends)

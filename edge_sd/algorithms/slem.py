@@ -70,6 +70,7 @@ class SLEMProposer:
 
     def propose(self, k: int, committed: list[int]) -> Draft:
         k = self.drafter.budget(k)
+        healed = len(self.drafter.healing)  # bytes of the first drafted token that the prompt holds
         text = b""
         for _ in range(k):
             logits = self.drafter.next_logits()
@@ -80,6 +81,7 @@ class SLEMProposer:
             text += self.drafter.vocab.token_bytes[d] or b""
             if not self.drafter.keep_drafting(logits):
                 break
+        text = text[healed:]
         return Draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)
 
     def sync(self, generated: bytes) -> None:

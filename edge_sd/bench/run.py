@@ -27,6 +27,10 @@ EDGE_ALGORITHMS = ("slem", "tli", "slrs")
 # and universal speculative decoding (sampling, over the vocabulary intersection like TLI), as shipped
 # and with its LM-head pruning off (bench/hf.py says why).
 HF_ASSISTED = {"greedy": ("uag",), "sample": ("usd", "usd-unpruned")}
+# Seconds to wait before each timed run. Plain decoding's lone engine lets its threads spin between
+# runs (engines/ort.py), for about 50 ms after its last one: the run after it, always auto, paid ~45 ms
+# more for its prompt's prefill (328 against 283 ms, medians of 8, after a pause of 0.05 s or more).
+SETTLE_S = 0.1
 
 
 @dataclass
@@ -189,6 +193,7 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         seed = opts.seed + i
         ids = pipe.target.prompt_ids(prompt.text, False)  # transformers gets edge-sd's exact token ids
         for cfg in todo:
+            time.sleep(SETTLE_S)
             if cfg.engine == "edge-sd":
                 runner = plain if cfg.algorithm == "ar" else variants[cfg.keep] if cfg.pruned else pipe
                 rec = _run_edge(runner, prompt, cfg, opts.max_new_tokens, seed)
