@@ -28,6 +28,9 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")
 #   shared: one buffer per layer, bound as both past and present; a call writes only its new
 #           positions and `attention_mask`'s length says how many are valid (GroupQueryAttention).
 KV_LAYOUTS = ("concat", "shared")
+# An optional int64 input of shape [1] (default 0: every position): the graph computes logits for the
+# last n positions only (export/logits.py); an engine without it returns logits for every position fed.
+KEEP_INPUT = "logits_to_keep"
 
 
 @dataclass(frozen=True)

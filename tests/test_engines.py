@@ -109,3 +109,56 @@ def test_tensorrt_options_from_the_manifest(tiny_root: Path) -> None:
     hi = dict(item.split(":") for item in opts["trt_profile_max_shapes"].split(","))
     assert opts["trt_fp16_enable"] and hi["position_ids"] == "1x64"
     assert (lo["past_key_values.0.value"], hi["past_key_values.0.value"]) == (kv.format(0), kv.format(255))
+
+
+def _without_logits_to_keep(folder: Path, dest: Path) -> None:
+    """A copy of an engine folder as exported before `logits_to_keep` (export/logits.py undone)."""
+    import shutil
+
+    from edge_sd.export.logits import load, save
+    from edge_sd.manifest import KEEP_INPUT, file_entries
+    from edge_sd.manifest import save as save_manifest
+
+    shutil.copytree(folder, dest)
+    model = load(dest / "model.onnx")
+    g = model.graph
+    cut = next(n for n in g.node if n.name == "logits_to_keep.slice")
+    for n in g.node:
+        n.input[:] = [cut.input[0] if i == cut.output[0] else i for i in n.input]
+    for items in (g.node, g.input, g.initializer):
+        for item in [x for x in items if x.name.startswith(KEEP_INPUT)]:
+            items.remove(item)
+    save(model, dest / "model.onnx")
+    m = load_engine_manifest(dest)
+    save_manifest(replace(m, input_names=[n for n in m.input_names if n != KEEP_INPUT],
+                          files=file_entries(dest)), dest)
+
+
+@pytest.mark.parametrize("name", ["bl_llama", "bl_llama_opt"])
+def test_logits_of_the_last_positions_only(tiny_root: Path, tmp_path: Path, name: str) -> None:
+    """An export's graph takes `logits_to_keep`: a forward asked for the last n positions computes the
+    LM head there only, with a full forward's logits. A graph exported before it returns the same
+    rows (computing them all), and `keep_logits` gives it the input, once."""
+    from edge_sd.export.logits import keep_logits
+    from edge_sd.manifest import KEEP_INPUT
+
+    def run(folder: Path) -> tuple[np.ndarray, np.ndarray, int]:
+        engine = OrtEngine(folder, provider="cpu", threads=2)
+        full = engine.forward(IDS)
+        engine.reset()
+        last = engine.forward(IDS, last=3)
+        return full, last, engine._io.get_outputs()[0].shape()[1]
+
+    folder = tiny_root / "engines" / name
+    assert KEEP_INPUT in load_engine_manifest(folder).input_names
+    full, last, computed = run(folder)
+    assert computed == 3 and last.shape == (3, full.shape[1])
+    np.testing.assert_allclose(last, full[-3:], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+    old = tmp_path / "old"
+    _without_logits_to_keep(folder, old)
+    old_full, old_last, computed = run(old)
+    assert computed == len(IDS)
+    np.testing.assert_array_equal(old_last, old_full[-3:])
+    np.testing.assert_allclose(old_full, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
+    assert keep_logits(old) and not keep_logits(old)
+    assert run(old)[2] == 3 and KEEP_INPUT in load_engine_manifest(old).input_names

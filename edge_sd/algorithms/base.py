@@ -131,7 +131,7 @@ class DrafterState:
         pending = self.ids[self.engine.n_cached :]
         if pending:
             start = time.perf_counter()
-            out = self.engine.forward(np.asarray(pending))[-1]
+            out = self.engine.forward(np.asarray(pending), last=1)[-1]
             if self.kept is None:
                 self._last_logits = out[: self.vocab.size]
             else:

@@ -13,8 +13,9 @@ class Engine(Protocol):
     manifest: EngineManifest
     n_cached: int  # positions held in the KV cache
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
-        """Feed ids [s] after the cached positions; returns logits [s, V] and caches s positions."""
+    def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
+        """Feed ids [s] after the cached positions and cache them; returns the logits [n, V] of the
+        last n = `last` positions (all s when None; an engine may compute only those)."""
         ...
 
     def truncate(self, n: int) -> None:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 from edge_sd.engines.kv import ConcatKV, SharedKV
 from edge_sd.engines.providers import PROVIDERS, resolve_providers, tensorrt_options
 from edge_sd.errors import ArtifactError, ContextLimitError
-from edge_sd.manifest import EngineManifest, check_files, load_engine_manifest
+from edge_sd.manifest import KEEP_INPUT, EngineManifest, check_files, load_engine_manifest
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # A shared-buffer cache starts this large (positions) unless told otherwise, and grows by doubling;
@@ -61,6 +61,9 @@ class OrtEngine:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Errors only: ONNX Runtime warns on every load that `logits_to_keep`, an input with a default,
+        # is not constant-folded (what edge-sd has to say about providers it says itself).
+        opts.log_severity_level = 3
         if spin not in SPIN:
             raise ValueError(f"spin must be one of {', '.join(SPIN)}, not {spin!r}")
         if spin == "run":
@@ -80,7 +83,8 @@ class OrtEngine:
                 f"{self.folder / m.model_file}: ONNX Runtime could not load it ({_first_line(e)})"
             ) from None
         self.providers = self.session.get_providers()
-        inputs = {i.name: i for i in self.session.get_inputs()}
+        # Inputs with a default (an initializer of their name) are listed apart: `logits_to_keep`.
+        inputs = {i.name: i for i in [*self.session.get_inputs(), *self.session.get_overridable_initializers()]}
         missing = [n for n in m.input_names if n not in inputs]
         if missing:
             raise ArtifactError(f"{self.folder}: model lacks inputs named in the manifest: {missing}")
@@ -95,6 +99,12 @@ class OrtEngine:
         self._ones = np.ones((1, m.max_context), dtype=np.int64)
         self._positions = np.arange(m.max_context, dtype=np.int64)[None]
         self._fed = np.zeros(m.max_context, dtype=np.int64)  # the id at each cached position
+        # A graph with `logits_to_keep` (export/logits.py) computes the LM head for the positions asked.
+        self._keep = np.zeros(1, dtype=np.int64) if KEEP_INPUT in inputs else None
+        if self._keep is not None:  # bound as an OrtValue sharing _keep's memory: an input with a
+            # default is not in the list `bind_cpu_input` checks names against
+            self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
+            self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
         self.forward_count = 0
         self.forward_time = 0.0
         self.n_cached = 0
@@ -112,7 +122,8 @@ class OrtEngine:
         self._kv.truncate(0)
         self.n_cached = 0
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
+    def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
+        """Logits [n, V] of the last n positions fed (n = last, or every one of ids)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s = len(ids)
         m = self.manifest
@@ -135,12 +146,15 @@ class OrtEngine:
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
         if m.has_position_ids:
             io.bind_cpu_input("position_ids", self._positions[:, start:total])
+        n = s if last is None else max(1, min(last, s))
+        if self._keep is not None:
+            self._keep[0] = n
         self._kv.bind_past(start)
         io.bind_output("logits", "cpu")
         self.session.run_with_iobinding(io)
         out = io.get_outputs()
         self._kv.after_run(out)
-        logits = out[0].numpy()[0, back:]  # [s, V]
+        logits = out[0].numpy()[0, -n:]  # [n, V]
         self._fed[start:total] = ids
         self.n_cached = total
         self.forward_count += 1

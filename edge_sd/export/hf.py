@@ -17,6 +17,7 @@ from typing import Any
 
 from edge_sd import __version__
 from edge_sd.errors import ExportError, UsageError
+from edge_sd.export.logits import add_logits_to_keep
 from edge_sd.manifest import (
     FORMAT_VERSION,
     PRECISIONS,
@@ -225,6 +226,7 @@ def export_engine(
             if opts.device != "cpu":
                 raise UsageError("--device cuda needs the builder path (--exporter builder)")
             _optimum_export(src, hf_src, dest, workdir, opts, step)
+        add_logits_to_keep(dest / "model.onnx")  # a prefill then computes the LM head once, not per position
         manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer, path)
         save(manifest, dest)
         if opts.validate:

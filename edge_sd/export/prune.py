@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 
 from edge_sd.errors import ExportError, UsageError
+from edge_sd.export.logits import drop_shapes, lm_head
+from edge_sd.export.logits import load as load_model
+from edge_sd.export.logits import save as save_model
 from edge_sd.manifest import EngineManifest, file_entries, load_engine_manifest, load_pair_manifest, save
 from edge_sd.vocab import Vocab, VocabMaps
 from edge_sd.wheel_data import Source, fetch, single
@@ -56,9 +59,6 @@ PROBE_CHARS = 400
 PRUNE_TOLERANCE = 1e-4
 # Lines tokenized per batch while counting (the Rust tokenizer runs a batch on all cores).
 BATCH_LINES = 512
-# The elementwise ops that may sit between the LM head's MatMul and the logits output (Gemma-2's final
-# soft-capping: Div, Tanh, Mul); they do not care about the vocabulary width.
-_ELEMENTWISE = {"Div", "Mul", "Tanh", "Cast", "Add", "Sub"}
 
 
 def corpus_texts(files: list[Path] | None, cache: Path) -> list[str]:
@@ -270,32 +270,19 @@ def prune_head(engine_dir: Path, kept: np.ndarray) -> None:
     Handles a MatMul against a weight [H, V] (or a Transpose of the [V, H] embedding, for tied
     weights) and ONNX Runtime's MatMulNBits (weight rows [N, blocks, blob], scales, zero points, bias).
     """
-    import onnx
     from onnx import numpy_helper
 
     m = load_engine_manifest(engine_dir)
     path = engine_dir / m.model_file
-    for f in engine_dir.glob(f"{m.model_file}*"):
-        if f.stat().st_nlink > 1:  # onnx refuses hard-linked weights (a copied pair folder): unlink them
-            tmp = f.with_name(f.name + ".copy")
-            shutil.copyfile(f, tmp)
-            tmp.replace(f)
-    model = onnx.load(str(path))
+    model = load_model(path)
     g = model.graph
     producer = {o: n for n in g.node for o in n.output}
     inits = {i.name: i for i in g.initializer}
-    logits = next((o for o in g.output if o.name == "logits"), None)
-    if logits is None or "logits" not in producer:
-        raise ExportError(f"{path} has no 'logits' output to prune")
-    node, chain = producer["logits"], []
-    while node.op_type in _ELEMENTWISE:
-        chain.append(node)
-        node = producer.get(node.input[0])
-        if node is None:
-            raise ExportError(f"{path}: the logits come from no MatMul that edge-sd can prune")
+    logits = next(o for o in g.output if o.name == "logits")
+    node, chain = lm_head(g, path)
     width = m.logits_width
 
-    def set_input(n: onnx.NodeProto, pos: int, array: np.ndarray) -> None:
+    def set_input(n: Any, pos: int, array: np.ndarray) -> None:
         """Give input `pos` of node n this constant. A constant other nodes read too (tied weights: the
         embedding's Gather) stays as it is for them; n gets a pruned copy."""
         name = n.input[pos]
@@ -336,19 +323,9 @@ def prune_head(engine_dir: Path, kept: np.ndarray) -> None:
                 g.initializer.remove(inits[w_name])
         else:
             raise ExportError(f"{path}: the LM head's weight {w_name!r} is neither a constant nor a transposed one")
-    else:
-        raise ExportError(f"{path}: the LM head is a {node.op_type}, which edge-sd cannot prune")
     logits.type.tensor_type.shape.dim[-1].dim_value = len(kept)
-    stale = {o for n in [node, *chain] for o in n.output}
-    for vi in [v for v in g.value_info if v.name in stale]:
-        g.value_info.remove(vi)
-    data = f"{m.model_file}.data"
-    for f in engine_dir.glob(f"{m.model_file}*"):
-        f.unlink()
-    onnx.save_model(model, str(path), save_as_external_data=True, location=data, size_threshold=1024)
-    os.chmod(path, 0o644)
-    if (engine_dir / data).exists():
-        os.chmod(engine_dir / data, 0o644)
+    drop_shapes(g, [node, *chain])
+    save_model(model, path)
     np.save(engine_dir / KEPT_FILE, kept)
     _rewrite_manifest(engine_dir, m, len(kept))
 

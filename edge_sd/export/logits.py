@@ -1,0 +1,116 @@
+"""Graph edits at the LM head, shared by `logits_to_keep` (here) and pruning (prune.py).
+
+`logits_to_keep` (an int64 input of shape [1]) makes the graph compute logits for the last n
+positions only, as transformers' argument of that name does: a prompt's prefill needs none but the
+last (the target's none at all; the drafter's the last), and the LM head over every prompt position was
+most of a prefill: Gemma-3-270M's head (640 x 262,144) over 120 positions is a 20 GFLOP MatMul, ~0.28 s
+on this 2-core CPU, against a ~0.3 s prefill. A graph without the input still works (all positions).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_sd.errors import ExportError
+from edge_sd.manifest import KEEP_INPUT
+
+# The elementwise ops that may sit between the LM head's MatMul and the logits output (Gemma-2's final
+# soft-capping: Div, Tanh, Mul); they do not care about the vocabulary width.
+ELEMENTWISE = {"Div", "Mul", "Tanh", "Cast", "Add", "Sub"}
+
+
+def load(path: Path) -> Any:
+    """The ONNX model at path, its weights loaded (hard-linked weights, as in a copied pair folder, are
+    unlinked first: onnx refuses them)."""
+    import onnx
+
+    for f in path.parent.glob(f"{path.name}*"):
+        if f.stat().st_nlink > 1:
+            tmp = f.with_name(f.name + ".copy")
+            shutil.copyfile(f, tmp)
+            tmp.replace(f)
+    return onnx.load(str(path))
+
+
+def save(model: Any, path: Path) -> None:
+    """Write the model over path, its weights in one external data file beside it."""
+    import onnx
+
+    data = f"{path.name}.data"
+    for f in path.parent.glob(f"{path.name}*"):
+        f.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, location=data, size_threshold=1024)
+    for f in (path, path.parent / data):
+        if f.exists():
+            os.chmod(f, 0o644)
+
+
+def lm_head(graph: Any, path: Path) -> tuple[Any, list[Any]]:
+    """The node computing the LM head (a MatMul or MatMulNBits) and the elementwise ops between it and
+    the logits output (nearest the output first)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    if not any(o.name == "logits" for o in graph.output) or "logits" not in producer:
+        raise ExportError(f"{path} has no 'logits' output")
+    node, chain = producer["logits"], []
+    while node.op_type in ELEMENTWISE:
+        chain.append(node)
+        node = producer.get(node.input[0])
+        if node is None:
+            raise ExportError(f"{path}: the logits come from no MatMul that edge-sd can edit")
+    if node.op_type not in ("MatMul", "MatMulNBits"):
+        raise ExportError(f"{path}: the LM head is a {node.op_type}, which edge-sd cannot edit")
+    return node, chain
+
+
+def drop_shapes(graph: Any, nodes: list[Any]) -> None:
+    """Forget the recorded shapes of these nodes' outputs (an edit changed them; ORT infers them)."""
+    stale = {o for n in nodes for o in n.output}
+    for vi in [v for v in graph.value_info if v.name in stale]:
+        graph.value_info.remove(vi)
+
+
+def add_logits_to_keep(path: Path) -> bool:
+    """Give the model at path a `logits_to_keep` input that slices the hidden states before the LM
+    head to the last n positions (0, its default: all of them). Returns False when it has one already."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = load(path)
+    g = model.graph
+    if any(i.name == KEEP_INPUT for i in g.input):
+        return False
+    node, chain = lm_head(g, path)
+    hidden = node.input[0]
+    # An input with an initializer of its name is optional: a caller that does not feed it (ONNX
+    # Runtime's generate API reading the builder's genai_config.json) gets 0, every position.
+    g.input.append(helper.make_tensor_value_info(KEEP_INPUT, TensorProto.INT64, [1]))
+    g.initializer.extend(numpy_helper.from_array(np.array([v], dtype=np.int64), name) for v, name in
+                         ((0, KEEP_INPUT), (np.iinfo(np.int64).max, "logits_to_keep.end"), (1, "logits_to_keep.axis")))
+    kept = f"{hidden}.kept"
+    at = list(g.node).index(node)
+    g.node.insert(at, helper.make_node("Slice", [hidden, f"{KEEP_INPUT}.start", "logits_to_keep.end",
+                                                 "logits_to_keep.axis"], [kept], name="logits_to_keep.slice"))
+    g.node.insert(at, helper.make_node("Neg", [KEEP_INPUT], [f"{KEEP_INPUT}.start"], name="logits_to_keep.neg"))
+    node.input[0] = kept
+    drop_shapes(g, [node, *chain])
+    save(model, path)
+    return True
+
+
+def keep_logits(engine_dir: Path) -> bool:
+    """add_logits_to_keep on an exported engine folder, its manifest following (inputs, file hashes).
+    Returns False when it had the input already."""
+    from dataclasses import replace
+
+    from edge_sd.manifest import file_entries, load_engine_manifest
+    from edge_sd.manifest import save as save_manifest
+
+    m = load_engine_manifest(engine_dir)
+    if not add_logits_to_keep(engine_dir / m.model_file):
+        return False
+    save_manifest(replace(m, input_names=[*m.input_names, KEEP_INPUT], files=file_entries(engine_dir)), engine_dir)
+    return True
