@@ -162,3 +162,11 @@ def test_logits_of_the_last_positions_only(tiny_root: Path, tmp_path: Path, name
     np.testing.assert_allclose(old_full, full, rtol=1e-5, atol=1e-5 * np.abs(full).max())
     assert keep_logits(old) and not keep_logits(old)
     assert run(old)[2] == 3 and KEEP_INPUT in load_engine_manifest(old).input_names
+    # Feeding at least two positions a forward (int8 and int4 engines), the head runs over two rows
+    # too, so that a step's logits come from the kernels a verification forward uses.
+    engine = OrtEngine(folder, provider="cpu", threads=2, min_step_positions=2)
+    engine.forward(IDS[:10])
+    step = engine.forward(IDS[10:11], last=1)
+    assert engine._io.get_outputs()[0].shape()[1] == 2 and step.shape == (1, full.shape[1])
+    engine.reset()
+    np.testing.assert_array_equal(step, engine.forward(IDS[:11], last=2)[-1:])

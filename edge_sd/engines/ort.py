@@ -148,7 +148,9 @@ class OrtEngine:
             io.bind_cpu_input("position_ids", self._positions[:, start:total])
         n = s if last is None else max(1, min(last, s))
         if self._keep is not None:
-            self._keep[0] = n
+            # The LM head too runs over at least min_step rows: a quantized head's single-row kernel
+            # rounds otherwise, and a plain step would not compute what a verification forward does.
+            self._keep[0] = max(n, min(self.min_step, len(ids)))
         self._kv.bind_past(start)
         io.bind_output("logits", "cpu")
         self.session.run_with_iobinding(io)
