@@ -77,10 +77,14 @@ def drop_shapes(graph: Any, nodes: list[Any]) -> None:
 
 def add_logits_to_keep(path: Path) -> bool:
     """Give the model at path a `logits_to_keep` input that slices the hidden states before the LM
-    head to the last n positions (0, its default: all of them). Returns False when it has one already."""
+    head to the last n positions (0, its default: all of them). Returns False when it has one already.
+
+    Only the graph file is rewritten: the weights beside it are neither read nor written (the new
+    constants are a few bytes, kept inline)."""
+    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    model = load(path)
+    model = onnx.load(str(path), load_external_data=False)
     g = model.graph
     if any(i.name == KEEP_INPUT for i in g.input):
         return False
@@ -98,7 +102,10 @@ def add_logits_to_keep(path: Path) -> bool:
     g.node.insert(at, helper.make_node("Neg", [KEEP_INPUT], [f"{KEEP_INPUT}.start"], name="logits_to_keep.neg"))
     node.input[0] = kept
     drop_shapes(g, [node, *chain])
-    save(model, path)
+    tmp = path.with_name(path.name + ".partial")
+    onnx.save_model(model, str(tmp))
+    os.chmod(tmp, 0o644)
+    tmp.replace(path)  # a new file: a hard-linked copy of the old one (a copied pair folder) keeps it
     return True
 
 
