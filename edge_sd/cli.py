@@ -353,8 +353,9 @@ def bench(
     out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
     readme: Optional[Path] = typer.Option(None, "--readme", help="Also write the results into this README."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampling runs (prompt i uses seed+i)."),
-    schedules: str = typer.Option("", "--schedules", help="Also these lookahead schedules (heuristic, cost) "
-                                  "for each algorithm at the first k."),
+    schedules: str = typer.Option("", "--schedules", help="Also these lookahead schedules (heuristic, "
+                                  "confidence, cost, disco) for each algorithm at the first k; disco at the k it was "
+                                  "calibrated for."),
     no_auto: bool = typer.Option(False, "--no-auto", help="Skip edge-sd's auto (cost-aware) rows."),
     skip: int = typer.Option(0, "--skip", help="Start each prompt set after this many prompts (held-out "
                              "prompts after `edge-sd calibrate --per-set N`: --skip N)."),

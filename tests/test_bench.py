@@ -27,6 +27,18 @@ def test_prompt_sets_come_from_the_registries() -> None:
         prompts.load("summarisation", CACHE, 51)
 
 
+def test_disco_rows_run_at_their_calibrated_k() -> None:
+    """DISCO's rows draft up to the k its classifier was calibrated for (capped at a shorter k it can
+    only cut drafts); the other schedules run at the first k."""
+    from edge_sd.bench.run import BenchOptions, configs
+
+    opts = BenchOptions(pair=PAIR, cache=CACHE, ks=(2, 3), algorithms=("slem",), modes=("greedy",),
+                        transformers=False, schedules=("heuristic", "disco"))
+    ks = {c.schedule: c.k for c in configs(opts, disco_k=6) if c.algorithm == "slem" and c.schedule != "static"}
+    assert ks == {"heuristic": 2, "disco": 6}
+    assert {c.k for c in configs(opts) if c.schedule == "disco"} == {2}  # no calibration: the first k
+
+
 def test_bench_small_run_writes_table_plots_and_readme(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -101,22 +101,29 @@ def test_a_new_text_is_judged_on_its_own_rounds() -> None:
     assert plain_steps[CARRY] <= PROBE_EVERY < plain_steps[float("inf")]
 
 
-def test_disco_stops_where_another_token_would_not_pay() -> None:
-    """On top of the cost model, a draft goes on while the next token's expected gain (DISCO's
-    probability that the last one is accepted, times the acceptance estimate of the next) per second
-    it adds reaches the rate the round was planned for."""
+def test_disco_on_the_cost_model_stops_drafts_that_may_run_to_the_longest() -> None:
+    """Under auto with DISCO, the cost model decides whether a round drafts (and with what), DISCO's
+    threshold when the draft stops: a draft that pays may run to K (or the budget), a probe stays one
+    token, and a round where drafting does not pay stays a plain step."""
+    import numpy as np
+
+    from edge_sd.lookahead import DiscoSchedule
+
     sched = schedule(0.006)
     run(sched, {"slem": 0.8, "tli": 0.5})
     plan = sched.plan(K)
-    assert plan.proposer is not None and plan.m > 1
-    algo = plan.proposer.name
-    a = sched.acceptance[algo].rates(2)[1]
-    cost = 0.006 + TARGET[3] - TARGET[2]  # a drafter step and one more target position
-    break_even = sched.planned_rate * cost / a
-    assert 0.05 < break_even < 0.95
-    assert sched.worth_another(1, break_even + 0.02)
-    assert not sched.worth_another(1, break_even - 0.02)
-    assert not sched.worth_another(K, 1.0)  # no target cost beyond K + 1 positions
+    assert plan.proposer is not None and plan.m >= 1
+    assert sched.plan(K, open_ended=True).m == K and sched.plan(3, open_ended=True).m == 3
+    dear = schedule(0.045)
+    run(dear, {"slem": 0.6, "tli": 0.6})
+    assert {dear.plan(K, open_ended=True).m for _ in range(2 * PROBE_EVERY)} == {0, 1}
+
+    state = SimpleNamespace(stopper=None)
+    model = SimpleNamespace(threshold=0.5, prob=lambda f: float(f[0]))  # the drafter's top probability
+    disco = DiscoSchedule(sched, model, state, {id(p): a for a, p in sched.proposers.items()})
+    assert disco.plan(K).m == K and state.stopper is not None
+    assert state.stopper(np.log([0.9, 0.1]), 1) and not state.stopper(np.log([0.4, 0.3, 0.3]), 2)
+    assert disco.summary()["disco"]["stopped_early"] == 1
 
 
 def test_costs_follow_what_rounds_measure() -> None:

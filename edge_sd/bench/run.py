@@ -49,7 +49,7 @@ class BenchOptions:
     hf_dir: Path | None = None  # holds gemma3-270m/ and smollm2-135m/ (fp32 HF folders)
     hf_ks: tuple[int, ...] = (3, 5)
     auto: bool = True  # also edge-sd's `auto` (cost-aware schedule over every algorithm)
-    schedules: tuple[str, ...] = ()  # other lookahead schedules, for each algorithm at its first k
+    schedules: tuple[str, ...] = ()  # other lookahead schedules, for each algorithm at the first k (disco: its own)
     skip: int = 0  # each set starts after this many prompts (held out from `edge-sd calibrate`)
     # Drafters pruned to these fractions of their vocabulary (copies of the pair in cache/pairs/), each
     # run with TLI and RDK at keep_k; their drafter steps are timed against the full drafter's.
@@ -120,14 +120,17 @@ class Record:
     keep: float = 1.0
 
 
-def configs(opts: BenchOptions) -> list[Config]:
+def configs(opts: BenchOptions, disco_k: int = 0) -> list[Config]:
+    """disco_k: the draft length the pair's DISCO classifier was calibrated for, where DISCO's rows run
+    (its stops make a long draft cheap; capped at a shorter k it can only cut); 0: the first k."""
     out = []
     for mode in opts.modes:
         out.append(Config("edge-sd", mode, "ar", 0))
         if opts.auto:
             out.append(Config("edge-sd", mode, "auto", 0, "cost"))
         out += [Config("edge-sd", mode, a, k) for a in opts.algorithms for k in opts.ks]
-        out += [Config("edge-sd", mode, a, opts.ks[0], sch) for sch in opts.schedules for a in opts.algorithms]
+        out += [Config("edge-sd", mode, a, (sch == "disco" and disco_k) or opts.ks[0], sch)
+                for sch in opts.schedules for a in opts.algorithms]
         for f in opts.keeps:
             out += [Config("edge-sd", mode, a, opts.keep_k, keep=f) for a in ("tli", "rdk")
                     if a == "rdk" or f < 1.0]
@@ -176,7 +179,7 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         from edge_sd.bench.hf import HFPair
 
         hf = HFPair.load(opts.hf_dir, pipe, opts.threads)
-    todo = configs(opts)
+    todo = configs(opts, pipe.disco.k if pipe.disco else 0)
     # Warm-up: the first runs of a fresh session pay for memory allocation; time none of that.
     warm = plist[0].text
     plain.generate(warm, GenerationConfig(max_new_tokens=4, algorithm="ar"))
