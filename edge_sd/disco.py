@@ -12,6 +12,7 @@ prefixes), so a drafted token was accepted when the accepted candidates cover it
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,7 +63,11 @@ class DiscoModel:
 
     def save(self, folder: Path) -> Path:
         path = Path(folder) / DISCO_FILE
-        path.write_text(json.dumps({**asdict(self), "features": list(self.features)}, indent=1) + "\n")
+        # Written aside, then moved over: never half a file, and a copy of the pair hard-linked to this
+        # one keeps its own classifier.
+        part = path.with_name(path.name + ".partial")
+        part.write_text(json.dumps({**asdict(self), "features": list(self.features)}, indent=1) + "\n")
+        os.replace(part, path)
         return path
 
     @classmethod
