@@ -12,13 +12,13 @@ prefixes), so a drafted token was accepted when the accepted candidates cover it
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge_sd.errors import ArtifactError
+from edge_sd.manifest import write_aside
 
 DISCO_FILE = "disco.json"
 FEATURES = ("top_prob", "entropy", "position", "recent_acceptance", "slem", "tli", "slrs", "standard")
@@ -62,13 +62,8 @@ class DiscoModel:
         return float(1.0 / (1.0 + np.exp(-(z @ np.asarray(self.weights) + self.bias))))
 
     def save(self, folder: Path) -> Path:
-        path = Path(folder) / DISCO_FILE
-        # Written aside, then moved over: never half a file, and a copy of the pair hard-linked to this
-        # one keeps its own classifier.
-        part = path.with_name(path.name + ".partial")
-        part.write_text(json.dumps({**asdict(self), "features": list(self.features)}, indent=1) + "\n")
-        os.replace(part, path)
-        return path
+        text = json.dumps({**asdict(self), "features": list(self.features)}, indent=1) + "\n"
+        return write_aside(Path(folder) / DISCO_FILE, text)
 
     @classmethod
     def load(cls, folder: Path) -> DiscoModel | None:

@@ -278,16 +278,16 @@ class CostSchedule:
         if s in self.target_cost:
             self.target_cost[s].add(target_s)
         self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
-        algo = self._algo_of[id(plan.proposer)] if plan.proposer is not None and proposed else ""
-        key = f"{algo}:{proposed}" if algo else "plain"
+        proposer = plan.proposer if proposed else None  # a round that proposed nothing was a plain step
+        key = f"{self._algo_of[id(proposer)]}:{proposed}" if proposer is not None else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
-        if not algo:
+        if proposer is None:
             return
-        assert plan.proposer is not None
+        algo = self._algo_of[id(proposer)]
         # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
-        self.draft_cost[algo].add(max(0.0, draft_s - plan.proposer.drafter.catch_up_s) / proposed)
+        self.draft_cost[algo].add(max(0.0, draft_s - proposer.drafter.catch_up_s) / proposed)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():

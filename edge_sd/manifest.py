@@ -190,11 +190,15 @@ def load_pair_manifest(folder: Path) -> PairManifest:
 
 def save(obj: EngineManifest | PairManifest, folder: Path) -> Path:
     name = ENGINE_FILE if isinstance(obj, EngineManifest) else PAIR_FILE
-    path = Path(folder) / name
-    # Written aside and renamed: a reader never sees half a manifest, and a folder whose files are hard
-    # links to another (a copied pair) gets its own manifest instead of rewriting the other's.
-    tmp = path.with_name(name + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(obj), indent=2, ensure_ascii=False) + "\n")
+    return write_aside(Path(folder) / name, json.dumps(dataclasses.asdict(obj), indent=2, ensure_ascii=False) + "\n")
+
+
+def write_aside(path: Path, text: str) -> Path:
+    """Write a folder's small text file aside and rename it over `path`: a reader never sees half a
+    file, and a folder whose files are hard links to another's (a copied pair) gets its own file
+    instead of rewriting the other's."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     tmp.replace(path)
     return path
 
