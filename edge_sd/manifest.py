@@ -81,6 +81,10 @@ class EngineManifest:
     # that a k-token verification computes exactly what single steps compute. Measured at export.
     min_step_positions: int = 1
     export_path: str = "optimum"
+    # What the graph was made for: "cpu", or "cuda" (the model builder's --device cuda graphs). The
+    # builder makes a graph for one device: its fused attention writes the KV cache in place, and a
+    # CPU graph run through the CUDA provider computes wrong logits (engines/providers.py).
+    device: str = "cpu"
     exporter: dict[str, str] = field(default_factory=dict)
     # A drafter whose LM head keeps only some rows (export --drafter-vocab-keep): an .npy file of int64
     # drafter ids, one per logits column, ascending. None: column i is token id i.
@@ -142,6 +146,8 @@ def _from_dict(cls: type, data: Any, source: Path) -> Any:
                 raise ArtifactError(f"{source}: required field {f.name!r} is missing")
             continue
         kwargs[f.name] = data[f.name]
+    if cls is EngineManifest and "device" not in data:  # written before the field: CUDA graphs were fp16
+        kwargs["device"] = "cuda" if data.get("kv_dtype") == "float16" else "cpu"
     if cls is EngineManifest:
         try:
             kwargs["files"] = [FileEntry(**e) for e in kwargs.get("files", [])]

@@ -13,6 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
 
+# Where the pairs run: cpu here and in CI; EDGE_SD_TEST_PROVIDER=cuda runs the same lossless tests
+# through the CUDA provider on a machine with a GPU, the builder's engines exported for it (fp16,
+# --device cuda: a builder graph made for the CPU runs on the CPU only).
+PROVIDER = os.environ.get("EDGE_SD_TEST_PROVIDER", "cpu")
+
 # name -> (tokenizer kind, architecture, seed, training steps)
 MODELS = {
     "sp_gemma": ("sp", "gemma3", 0, 150),
@@ -76,6 +81,8 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = os.environ.get("EDGE_SD_TEST_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    if PROVIDER != "cpu":  # engines of their own, beside the CPU's
+        root = root / f"for-{PROVIDER}"
     if (root / "done").exists():
         return root
     root.mkdir(parents=True, exist_ok=True)
@@ -94,7 +101,8 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
             tmp = root / "engines" / f".{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            export_engine(str(root / "hf" / model), tmp, ExportOptions(exporter=exporter), name=name)
+            gpu = {"precision": "fp16", "device": "cuda"} if PROVIDER != "cpu" and exporter != "optimum" else {}
+            export_engine(str(root / "hf" / model), tmp, ExportOptions(exporter=exporter, **gpu), name=name)
             tmp.rename(eng)
     for pair, (t, d) in PAIRS.items():
         folder = root / "pairs" / pair
@@ -118,5 +126,5 @@ def pipelines(tiny_root: Path):
     """Loaded Pipeline of every pair (2 threads: the CI machine's cores)."""
     from edge_sd import Pipeline
 
-    return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider="cpu", threads=2)
+    return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider=PROVIDER, threads=2)
             for name in [*PAIRS, *PRUNED]}

@@ -82,12 +82,33 @@ def test_resolve_providers(monkeypatch) -> None:
     assert providers.resolve_providers("tensorrt") == have
     assert providers.resolve_providers("cuda") == have[1:]
     assert providers.resolve_providers("auto") == have
+    # A model-builder graph made for the CPU runs there only: auto takes the CPU, a GPU by name is refused.
+    assert providers.resolve_providers("auto", cpu_only=True) == have[2:]
+    for name in ("cuda", "tensorrt"):
+        with pytest.raises(ProviderError, match="made for the CPU by the model builder"):
+            providers.resolve_providers(name, cpu_only=True)
     monkeypatch.setattr(providers.ort, "get_available_providers", lambda: have[2:])
     assert providers.resolve_providers("auto") == have[2:]
     with pytest.raises(ProviderError, match="'cuda' is not available"):
         providers.resolve_providers("cuda")
     with pytest.raises(ProviderError, match="unknown provider 'npu'"):
         providers.resolve_providers("npu")
+
+
+def test_manifests_say_what_device_their_graph_was_made_for(tiny_root: Path, tmp_path: Path) -> None:
+    """`device` is written at export; a manifest from before the field was written reads as cuda
+    where its KV cache is fp16 (only --device cuda made those), else cpu."""
+    import json
+    import shutil
+
+    assert load_engine_manifest(tiny_root / "engines" / "bl_llama").device == "cpu"
+    folder = tmp_path / "old"
+    shutil.copytree(tiny_root / "engines" / "bl_llama", folder)
+    m = json.loads((folder / "engine.json").read_text())
+    m.pop("device", None)
+    for kv, device in (("float32", "cpu"), ("float16", "cuda")):
+        (folder / "engine.json").write_text(json.dumps({**m, "kv_dtype": kv}))
+        assert load_engine_manifest(folder).device == device
 
 
 def test_tensorrt_options_from_the_manifest(tiny_root: Path) -> None:
@@ -170,3 +191,29 @@ def test_logits_of_the_last_positions_only(tiny_root: Path, tmp_path: Path, name
     assert engine._io.get_outputs()[0].shape()[1] == 2 and step.shape == (1, full.shape[1])
     engine.reset()
     np.testing.assert_array_equal(step, engine.forward(IDS[:11], last=2)[-1:])
+
+
+def test_consistency_is_measured_again_on_another_provider(tiny_root: Path, tmp_path: Path) -> None:
+    """min_step_positions was measured where the export validated; an engine whose validation ran on
+    another provider measures its forwards again at load (the same figures, no torch) and follows
+    them, whatever its manifest says."""
+    import json
+    import shutil
+
+    from edge_sd.engines import consistency
+
+    src = tiny_root / "engines" / "bl_llama"
+    figures = consistency.check(OrtEngine(src, provider="cpu", threads=2))
+    # fp32: single steps round otherwise by ~1e-6; two-position steps and longer forwards agree exactly
+    assert 0.0 < figures["single"] < consistency.CACHE_RTOL and figures["multi"] == figures["small"] == 0.0
+    assert figures["min_step_positions"] == 1
+    assert OrtEngine(src, provider="cpu", threads=2).consistency is None  # validated on this provider
+    folder = tmp_path / "bl_llama"
+    shutil.copytree(src, folder)
+    m = json.loads((folder / "engine.json").read_text())
+    m["validation"]["provider"] = "cuda"
+    m["min_step_positions"] = 2
+    (folder / "engine.json").write_text(json.dumps(m))
+    engine = OrtEngine(folder, provider="cpu", threads=2)
+    assert engine.consistency == figures and engine.min_step == 1 and engine.forward_count == 0
+    assert OrtEngine(folder, provider="cpu", threads=2, min_step_positions=1).consistency is None

@@ -171,6 +171,27 @@ def test_unavailable_precision_is_a_clear_error(tiny_root: Path, tmp_path: Path)
         export_engine(src, tmp_path, ExportOptions(exporter="optimum", device="cuda"))
 
 
+def test_cuda_export_on_a_machine_without_cuda(tiny_root: Path, tmp_path: Path) -> None:
+    """`--precision fp16 --device cuda` writes the builder's CUDA graph here too: not validated (its
+    fused attention has no CPU kernel: it is measured again where it runs, engines/consistency.py),
+    with float32 logits cast inside the graph (numpy's float16 argmax over a large vocabulary costs
+    more than the forward on a GPU), the KV cache in fp16."""
+    import onnx
+
+    from edge_sd.export.hf import ExportOptions, export_engine
+    from edge_sd.export.logits import float32_logits
+
+    dest = tmp_path / "fp16"
+    dest.mkdir()
+    m = export_engine(str(tiny_root / "hf" / "bl_llama"), dest, ExportOptions(precision="fp16", device="cuda"))
+    assert (m.precision, m.kv_dtype, m.validation, m.min_step_positions, m.device) == ("fp16", "float16", {}, 1, "cuda")
+    graph = onnx.load(str(dest / m.model_file), load_external_data=False).graph
+    (logits,) = [o for o in graph.output if o.name == "logits"]
+    assert logits.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert [n.op_type for n in graph.node if "logits" in n.output] == ["Cast"]
+    assert not float32_logits(dest / m.model_file)  # float32 already: nothing to do
+
+
 def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:
     """--drafter-precision: the drafter takes the fast kernels (not batch-consistent, which a drafter
     need not be), the target stays fp32, and speculative output still equals plain decoding."""

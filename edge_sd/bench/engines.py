@@ -45,6 +45,7 @@ class EngineOptions:
     repeats: int = 20
     new_tokens: int = 64
     threads: int = 2
+    provider: str = "cpu"  # auto|cpu|cuda|tensorrt (engines/providers.py)
     genai: bool = True
     transformers: bool = True
     results: dict = field(default_factory=dict)
@@ -176,7 +177,7 @@ def run(opts: EngineOptions, progress: Callable[[str], None] = lambda s: None) -
     out = []
     for case in opts.cases:
         progress(f"{case.label}: forwards")
-        pipe = Pipeline.from_folder(case.folder, provider="cpu", threads=opts.threads)
+        pipe = Pipeline.from_folder(case.folder, provider=opts.provider, threads=opts.threads)
         if case.min_step is not None:
             pipe.target.engine.min_step = case.min_step
         m = pipe.target.manifest

@@ -45,6 +45,7 @@ class BenchOptions:
     modes: tuple[str, ...] = tuple(MODES)
     seed: int = 0
     threads: int = 2
+    provider: str = "auto"  # auto|cpu|cuda|tensorrt (engines/providers.py)
     transformers: bool = True
     hf_dir: Path | None = None  # holds gemma3-270m/ and smollm2-135m/ (fp32 HF folders)
     hf_ks: tuple[int, ...] = (3, 5)
@@ -166,13 +167,14 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
     """Run the benchmark; returns {"options", "machine", "prompts", "records"}."""
     opts.check()
     plist = [p for s in opts.sets for p in prompt_sets.load(s, opts.cache, opts.skip + opts.per_set)[opts.skip:]]
-    pipe = Pipeline.from_folder(opts.pair, threads=opts.threads)
+    pipe = Pipeline.from_folder(opts.pair, provider=opts.provider, threads=opts.threads)
     if pipe.drafter is None:
         raise UsageError(f"{opts.pair} holds a single engine; the benchmark needs a pair folder")
     # Plain decoding runs on the target folder alone, as `edge-sd generate PAIR/target` does: a lone
     # engine lets its threads spin between steps, which a pair must not (engines/ort.py).
-    plain = Pipeline.from_folder(pipe.target.engine.folder, threads=opts.threads)
-    variants = {f: Pipeline.from_folder(pruned_copy(opts.pair, f, opts.cache), threads=opts.threads)
+    plain = Pipeline.from_folder(pipe.target.engine.folder, provider=opts.provider, threads=opts.threads)
+    variants = {f: Pipeline.from_folder(pruned_copy(opts.pair, f, opts.cache), provider=opts.provider,
+                                        threads=opts.threads)
                 for f in opts.keeps}
     hf = None
     if opts.transformers:

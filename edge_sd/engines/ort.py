@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edge_sd.engines.consistency import BROKEN_RTOL
+from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
 from edge_sd.engines.providers import PROVIDERS, resolve_providers, tensorrt_options
-from edge_sd.errors import ArtifactError, ContextLimitError
+from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError
 from edge_sd.manifest import KEEP_INPUT, EngineManifest, check_files, load_engine_manifest
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -70,7 +72,8 @@ class OrtEngine:
             opts.add_session_config_entry("session.force_spinning_stop", "1")
         elif spin == "never":
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        names = resolve_providers(provider)
+        # optimum's graphs are standard ONNX and run anywhere; the builder makes a graph for one device.
+        names = resolve_providers(provider, cpu_only=m.export_path == "builder" and m.device == "cpu")
         cap = min(m.max_context, max(capacity or DEFAULT_CAPACITY, m.sliding_window or 0))
         chosen: list = [
             (n, tensorrt_options(m, self.folder, cap if m.kv_layout == "shared" else m.max_context, m.max_context))
@@ -108,6 +111,19 @@ class OrtEngine:
         self.forward_count = 0
         self.forward_time = 0.0
         self.n_cached = 0
+        # min_step_positions was measured where the export validated the graph; on another provider
+        # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
+        # again here, in a few dozen forwards (engines/consistency.py).
+        self.consistency: dict | None = None
+        if min_step_positions is None and m.validation.get("provider", "cpu") != self.device:
+            self.consistency = check_consistency(self)
+            self.min_step = self.consistency["min_step_positions"]
+            worst = max(self.consistency["single"], self.consistency["multi"])
+            if worst > BROKEN_RTOL:  # rounding moves logits by 1e-6..1e-2 of their scale; this is not that
+                raise ProviderError(
+                    f"{m.name}: through {self.providers[0]} its forwards disagree with each other by {worst:.1e} "
+                    "of the logits' scale: its results would be wrong here (run it with --provider cpu)"
+                )
 
     @property
     def capacity(self) -> int:

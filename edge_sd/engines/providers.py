@@ -28,11 +28,16 @@ def available_providers() -> list[str]:
     return [name for name, full in PROVIDERS.items() if full in have]
 
 
-def resolve_providers(provider: str) -> list[str]:
-    """ORT provider names for `auto|cpu|cuda|tensorrt`; an unavailable explicit choice is an error."""
+def resolve_providers(provider: str, cpu_only: bool = False) -> list[str]:
+    """ORT provider names for `auto|cpu|cuda|tensorrt`; an unavailable explicit choice is an error.
+
+    cpu_only: a model-builder graph made for the CPU, which runs there only: `auto` takes the CPU,
+    and an accelerator asked for by name is an error. Through the CUDA provider such a graph
+    computes wrong logits (a tiny builder pair on an H200: 1,380 of 2,000 sampled pairs outside the
+    target's support), its fused attention writing a KV buffer that the provider copies."""
     have = available_providers()
     if provider == "auto":
-        return [PROVIDERS[p] for p in AUTO_ORDER if p in have]
+        return [PROVIDERS["cpu"]] if cpu_only else [PROVIDERS[p] for p in AUTO_ORDER if p in have]
     if provider not in PROVIDERS:
         raise ProviderError(
             f"unknown provider {provider!r}; choose one of auto, {', '.join(PROVIDERS)}"
@@ -41,6 +46,11 @@ def resolve_providers(provider: str) -> list[str]:
         raise ProviderError(
             f"provider {provider!r} is not available in this onnxruntime build "
             f"(available: {', '.join(have)}); install edge-sd[gpu] on a machine with a GPU"
+        )
+    if cpu_only and provider != "cpu":
+        raise ProviderError(
+            f"this graph was made for the CPU by the model builder and computes wrong results through "
+            f"{provider}; export it with --device cuda for the GPU, or run it with --provider cpu"
         )
     # CUDA backs TensorRT for the nodes TensorRT cannot take (GroupQueryAttention is a contrib op);
     # CPU stays last as the home of any node no accelerator can run.

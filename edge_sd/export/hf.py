@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from edge_sd import __version__
+from edge_sd.engines.providers import available_providers
 from edge_sd.errors import ExportError, UsageError
-from edge_sd.export.logits import add_logits_to_keep
+from edge_sd.export.logits import add_logits_to_keep, float32_logits
 from edge_sd.manifest import (
     FORMAT_VERSION,
     PRECISIONS,
@@ -227,11 +228,17 @@ def export_engine(
                 raise UsageError("--device cuda needs the builder path (--exporter builder)")
             _optimum_export(src, hf_src, dest, workdir, opts, step)
         add_logits_to_keep(dest / "model.onnx")  # a prefill then computes the LM head once, not per position
+        float32_logits(dest / "model.onnx")
         manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer, path)
         save(manifest, dest)
-        if opts.validate:
-            with step("validate against torch (subprocess)"):
-                figures = run_validation(dest, hf_src, opts.precision, opts.drafter)
+        if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
+            # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU
+            # kernel, so it can only be run where CUDA is: the folder is written, marked not validated.
+            with step("not validated: a graph for CUDA, and this onnxruntime has no CUDA provider"):
+                pass
+        elif opts.validate:
+            with step(f"validate against torch (subprocess, {opts.device})"):
+                figures = run_validation(dest, hf_src, opts.precision, opts.drafter, opts.device)
             manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
                                          "min_step_positions": figures["min_step_positions"]})
             save(manifest, dest)
@@ -317,6 +324,7 @@ def _manifest(
         source=src,
         kv_layout="shared" if path == "builder" else "concat",
         export_path=path,
+        device=opts.device,
         exporter={
             "edge_sd": __version__,
             tool.replace("-", "_"): _version(tool),
@@ -328,10 +336,12 @@ def _manifest(
     )
 
 
-def run_validation(engine_dir: Path, hf_src: str, precision: str, drafter: bool = False) -> dict:
+def run_validation(engine_dir: Path, hf_src: str, precision: str, drafter: bool = False,
+                   provider: str = "cpu") -> dict:
     """Run export/validate.py in a subprocess (torch and ORT in one process can fight over threads
     and memory; a crash there must not take the export's clean-up with it)."""
-    cmd = [sys.executable, "-m", "edge_sd.export.validate", str(engine_dir), hf_src, "--precision", precision]
+    cmd = [sys.executable, "-m", "edge_sd.export.validate", str(engine_dir), hf_src, "--precision", precision,
+           "--provider", provider]
     cmd += ["--drafter"] if drafter else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

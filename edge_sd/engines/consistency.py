@@ -1,0 +1,77 @@
+"""Whether an engine's forwards agree with each other: what the verification of a draft needs.
+
+A verification forward over s positions must compute what plain decoding's forwards compute, or a
+greedy speculative run may pick another token where the target's top two logits are close. Kernels
+can differ with the number of positions: x86 int8-activation MatMulNBits takes another code path for
+one row; on CUDA, fp16 GEMV against GEMM kernels. The export measures this on the provider it
+validates on (export/validate.py); an engine run on another provider measures it again at load
+(engines/ort.py), with the same forwards, no torch needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Relative to the logits' scale: the most two forwards of the same positions may differ.
+CACHE_RTOL = 1e-4
+# Beyond this, forwards that disagree are broken, not rounded (int4 on CUDA: 3e-3 between one and two
+# positions; a KV cache written wrongly: order 1).
+BROKEN_RTOL = 5e-2
+PROMPT_LEN = 12
+STEPS = 4
+N_PROMPTS = 3
+
+
+def rel(a: np.ndarray, b: np.ndarray, scale: float) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) / scale
+
+
+def steps(engine, ids: np.ndarray, min_step: int) -> np.ndarray:
+    """Logits of positions PROMPT_LEN .. PROMPT_LEN+STEPS-1 fed one step at a time after a prefill."""
+    engine.min_step = min_step
+    engine.reset()
+    engine.forward(ids[:PROMPT_LEN])
+    return np.stack([engine.forward(ids[j : j + 1])[0] for j in range(PROMPT_LEN, PROMPT_LEN + STEPS)])
+
+
+def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) -> None:
+    """Update worst["single"], ["multi"] and ["small"] with one sequence of PROMPT_LEN + STEPS ids.
+
+    full: the engine's logits of every position from one forward over ids. single: one-position steps
+    against it; multi: two-position steps (re-feeding the last cached token) and a STEPS-position
+    forward after a cut-back, against it; small: those two against each other, the forwards a
+    speculative loop with `min_step_positions` 2 runs after the prefill."""
+    scale = max(1.0, float(np.abs(full).max()))
+    ref = full[PROMPT_LEN:]
+    worst["single"] = max(worst["single"], rel(steps(engine, ids, 1), ref, scale))
+    pairs = steps(engine, ids, 2)
+    engine.truncate(PROMPT_LEN)
+    multi = engine.forward(ids[PROMPT_LEN:])
+    worst["multi"] = max(worst["multi"], rel(pairs, ref, scale), rel(multi, ref, scale))
+    worst["small"] = max(worst["small"], rel(pairs, multi, scale))
+
+
+def min_step_for(worst: dict[str, float], kv_layout: str) -> int:
+    """2 where single steps are off and forwards of two or more positions agree exactly: the price of
+    batch consistency (a re-fed position per step), paid only where it buys exactness; re-feeding
+    copies a concat-layout cache, so only the shared layout takes it."""
+    return 2 if kv_layout == "shared" and worst["single"] > CACHE_RTOL and worst["small"] == 0.0 else 1
+
+
+def check(engine) -> dict:
+    """Measure an engine on random ids (N_PROMPTS sequences) and return the figures with the
+    `min_step_positions` they call for; the engine is left empty, its counters as they were."""
+    rng = np.random.default_rng(0)
+    vocab = min(engine.manifest.vocab_size, engine.manifest.logits_width)
+    saved = engine.min_step, engine.forward_count, engine.forward_time
+    worst = {"single": 0.0, "multi": 0.0, "small": 0.0}
+    try:
+        for _ in range(N_PROMPTS):
+            ids = rng.integers(0, vocab, size=PROMPT_LEN + STEPS)
+            engine.min_step = 1
+            engine.reset()
+            measure(engine, ids, engine.forward(ids), worst)
+    finally:
+        engine.min_step, engine.forward_count, engine.forward_time = saved
+        engine.reset()
+    return {**worst, "min_step_positions": min_step_for(worst, engine.manifest.kv_layout)}
