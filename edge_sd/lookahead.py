@@ -30,8 +30,12 @@ from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
 # this rate per round, so that they follow the text (code is predictable, a summary's first words less so).
 PRIOR = 1.0
 DECAY = 0.97
-# After this many plain steps in a row, one round drafts PROBE tokens to refresh the estimates.
+# After this many plain steps in a row, one round drafts PROBE tokens to refresh the estimates; after
+# PROBE_EVERY_HOPELESS where not even drafts accepted in full would pay at the measured costs (a
+# drafter as slow as the target, as on a GPU where both are launch-bound): there a probe can only
+# refresh the costs, and the first one of each generation also pays the drafter's prompt.
 PROBE_EVERY = 8
+PROBE_EVERY_HOPELESS = 64
 PROBE = 1
 # Cost estimates follow new measurements with this weight (exponential moving average), after a
 # plain mean over their first 1 / COST_WEIGHT measurements.
@@ -248,6 +252,12 @@ class CostSchedule:
         return [tokens[m] / (self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1))
                 for m in range(1, k + 1)]
 
+    def _could_pay(self, k: int, plain: float) -> bool:
+        """Whether some draft of 1..k tokens, every one accepted, would beat a plain step."""
+        draft = min(c.value for c in self.draft_cost.values())
+        return any((m + 1) / (self.target_cost[m + 1].value + m * draft + self._other(m + 1)) > plain
+                   for m in range(1, k + 1))
+
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
         """open_ended: a stopper (DISCO) ends each draft, so a draft that pays may run to the longest."""
         k = min(self.k_max, budget)
@@ -259,7 +269,8 @@ class CostSchedule:
             # tried again now and then; only while drafting pays anyway, so exploring costs little.
             rates = {a: self._rates(a, k) for a in self.proposers}
             drafts = max(max(r) for r in rates.values()) > plain
-            if drafts or self.plain_streak >= PROBE_EVERY:  # else a probe of PROBE tokens
+            every = PROBE_EVERY if drafts or self._could_pay(k, plain) else PROBE_EVERY_HOPELESS
+            if drafts or self.plain_streak >= every:  # else a probe of PROBE tokens
                 longest = k if drafts else min(PROBE, k)
                 shortest = 1 if drafts else longest
                 best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))

@@ -255,6 +255,10 @@ class Pipeline:
             span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
             t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
             d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
+            # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
+            # (Gemma-3-270M int4 on CUDA: ~30 ms against 3), and a size first met mid-generation would
+            # teach the cost model that drafting costs ten times what it does.
+            _median_forward(t, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
             one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
                                                                                           CALIBRATION_CONTEXT, span)
             step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
@@ -291,6 +295,10 @@ class Pipeline:
                 target, step = self.costs(k)
                 self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers},
                                                          greedy=greedy)
+            # A draft's catching up is told apart from its drafting against a one-position step; until
+            # the drafter has run one (probes only catch up), the step measured at load stands in.
+            if state.step_s is None:
+                state.step_s = self.costs(k)[1]
             return self._cost_schedules[key], k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
@@ -403,16 +411,21 @@ def _kept_ids(folder: Path, m: EngineManifest, size: int) -> np.ndarray | None:
     return kept
 
 
-def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, s: int) -> float:
-    """Median seconds of a forward over s positions after `context` cached ones."""
+def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, sizes: int | range,
+                    repeats: int = CALIBRATION_REPEATS) -> float:
+    """Median seconds of a forward over s positions after `context` cached ones (sizes: one s, or
+    several, each run `repeats` times), after one untimed forward of each."""
+    sizes = range(sizes, sizes + 1) if isinstance(sizes, int) else sizes
     engine.reset()
-    engine.reserve(context + s)
+    engine.reserve(context + max(sizes, default=1))
     engine.forward(ids[:context])
     times = []
-    for _ in range(CALIBRATION_REPEATS):
-        engine.truncate(context)
-        start = time.perf_counter()
-        engine.forward(ids[context : context + s])
-        times.append(time.perf_counter() - start)
+    for s in sizes:
+        for i in range(repeats + 1):
+            engine.truncate(context)
+            start = time.perf_counter()
+            engine.forward(ids[context : context + s])
+            if i:
+                times.append(time.perf_counter() - start)
     engine.reset()
-    return float(np.median(times))
+    return float(np.median(times)) if times else 0.0
