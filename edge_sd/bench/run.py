@@ -31,6 +31,9 @@ HF_ASSISTED = {"greedy": ("uag",), "sample": ("usd", "usd-unpruned")}
 # runs (engines/ort.py), for about 50 ms after its last one: the run after it, always auto, paid ~45 ms
 # more for its prompt's prefill (328 against 283 ms, medians of 8, after a pause of 0.05 s or more).
 SETTLE_S = 0.1
+# On a GPU the pause does harm instead: after 0.1 s idle the device starts the next generation cold
+# (an H200: plain decoding spent 5.3-5.8 ms a token in the target against 3.4 ms a forward back to
+# back), and the threads that spin there have little to steal.
 
 
 @dataclass
@@ -182,6 +185,7 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
 
         hf = HFPair.load(opts.hf_dir, pipe, opts.threads)
     todo = configs(opts, pipe.disco.k if pipe.disco else 0)
+    settle = SETTLE_S if pipe.target.engine.device == "cpu" else 0.0
     # Warm-up: the first runs of a fresh session pay for memory allocation; time none of that.
     warm = plist[0].text
     plain.generate(warm, GenerationConfig(max_new_tokens=4, algorithm="ar"))
@@ -198,7 +202,8 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         seed = opts.seed + i
         ids = pipe.target.prompt_ids(prompt.text, False)  # transformers gets edge-sd's exact token ids
         for cfg in todo:
-            time.sleep(SETTLE_S)
+            if settle:
+                time.sleep(settle)
             if cfg.engine == "edge-sd":
                 runner = plain if cfg.algorithm == "ar" else variants[cfg.keep] if cfg.pruned else pipe
                 rec = _run_edge(runner, prompt, cfg, opts.max_new_tokens, seed)
