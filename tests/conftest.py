@@ -15,7 +15,8 @@ import tiny  # noqa: E402
 
 # Where the pairs run: cpu here and in CI; EDGE_SD_TEST_PROVIDER=cuda runs the same lossless tests
 # through the CUDA provider on a machine with a GPU, the builder's engines exported for it (fp16,
-# --device cuda: a builder graph made for the CPU runs on the CPU only).
+# --device cuda: a builder graph made for the CPU runs on the CPU only). The pruned pairs' kernels run
+# those engines, so that cache is built where CUDA is (with the export extra).
 PROVIDER = os.environ.get("EDGE_SD_TEST_PROVIDER", "cpu")
 
 # name -> (tokenizer kind, architecture, seed, training steps)

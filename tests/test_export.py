@@ -190,6 +190,15 @@ def test_cuda_export_on_a_machine_without_cuda(tiny_root: Path, tmp_path: Path) 
     assert logits.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert [n.op_type for n in graph.node if "logits" in n.output] == ["Cast"]
     assert not float32_logits(dest / m.model_file)  # float32 already: nothing to do
+    # RDK's kernel runs the models: with --device cuda that needs CUDA, said before any export starts.
+    from edge_sd.errors import UsageError
+    from edge_sd.export.pair import export
+
+    hf = tiny_root / "hf"
+    with pytest.raises(UsageError, match="needs a machine with CUDA"):
+        export(str(hf / "bl_llama"), str(hf / "bl2_qwen"), tmp_path / "pair", ExportOptions(precision="fp16",
+               device="cuda"), vocab_keep=0.5)
+    assert not (tmp_path / "pair").exists()
 
 
 def test_pair_with_quantized_drafter(tiny_root: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from edge_sd.errors import UsageError
 from edge_sd.export.atomic import atomic_folder
 from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
@@ -40,6 +41,12 @@ def export(
     RDK's kernel (`edge_sd.export.prune`).
     """
     summary: dict = {"out": str(out), "engines": {}}
+    if vocab_keep is not None and "cuda" in (opts.device, (drafter_opts or opts).device):
+        from edge_sd.engines.providers import available_providers
+
+        if "cuda" not in available_providers():  # say so now, not after minutes of exporting
+            raise UsageError("--drafter-vocab-keep runs both models to build RDK's kernel: with --device cuda "
+                             "it needs a machine with CUDA")
     with atomic_folder(out, force=force) as tmp:
         if drafter is None:
             m = export_engine(target, tmp, opts, tokenizer, step)

@@ -330,10 +330,20 @@ def prune_head(engine_dir: Path, kept: np.ndarray) -> None:
     _rewrite_manifest(engine_dir, m, len(kept))
 
 
-def _probe_logits(engine_dir: Path, ids: np.ndarray) -> np.ndarray:
+def _engine(engine_dir: Path) -> Any:
+    """The engine on the device its graph was made for (a builder graph for CUDA runs there only)."""
     from edge_sd.engines.ort import OrtEngine
+    from edge_sd.engines.providers import available_providers
 
-    engine = OrtEngine(engine_dir, provider="cpu", min_step_positions=1)
+    m = load_engine_manifest(engine_dir)
+    if m.device == "cuda" and "cuda" not in available_providers():
+        raise UsageError(f"{engine_dir}: RDK's kernel and the pruned head's check run the models, and this graph "
+                         "was made for CUDA: prune the pair (--drafter-vocab-keep) on a machine with CUDA")
+    return OrtEngine(engine_dir, provider=m.device, min_step_positions=1)
+
+
+def _probe_logits(engine_dir: Path, ids: np.ndarray) -> np.ndarray:
+    engine = _engine(engine_dir)
     return engine.forward(ids)[:, : engine.manifest.logits_width].astype(np.float64)
 
 
@@ -341,9 +351,7 @@ def _side(engine_dir: Path) -> Any:
     """An engine with its tokenizer, as calibration_samples takes them."""
     from types import SimpleNamespace
 
-    from edge_sd.engines.ort import OrtEngine
-
-    engine = OrtEngine(engine_dir, provider="cpu", min_step_positions=1)
+    engine = _engine(engine_dir)
     m = engine.manifest
     return SimpleNamespace(engine=engine, manifest=m, vocab=Vocab.from_file(engine_dir / m.tokenizer_file,
                                                                             m.eos_token_ids))
