@@ -120,9 +120,10 @@ class OrtEngine:
             self.min_step = self.consistency["min_step_positions"]
             worst = max(self.consistency["single"], self.consistency["multi"])
             if worst > BROKEN_RTOL:  # rounding moves logits by 1e-6..1e-2 of their scale; this is not that
+                advice = " (run it with --provider cpu)" if m.device == "cpu" else ""
                 raise ProviderError(
                     f"{m.name}: through {self.providers[0]} its forwards disagree with each other by {worst:.1e} "
-                    "of the logits' scale: its results would be wrong here (run it with --provider cpu)"
+                    f"of the logits' scale: its results would be wrong here{advice}"
                 )
 
     @property
