@@ -258,11 +258,13 @@ def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engin
         for role in roles:
             table.add_column(role)
         manifests = {role: load_engine_manifest(p) for role, p in roles.items()}
-        fields = ("name", "architecture", "precision", "num_layers", "num_kv_heads", "head_dim",
-                  "vocab_size", "logits_width", "bos_token_id", "add_bos", "eos_token_ids",
-                  "has_position_ids", "max_context", "sliding_window", "source")
+        fields = ("name", "architecture", "precision", "export_path", "device", "kv_layout", "min_step_positions",
+                  "num_layers", "num_kv_heads", "head_dim", "vocab_size", "logits_width", "bos_token_id",
+                  "add_bos", "eos_token_ids", "has_position_ids", "max_context", "sliding_window", "source")
         for f in fields:
             table.add_row(f, *(str(getattr(m, f)) for m in manifests.values()))
+        table.add_row("validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
+                                        for m in manifests.values()))
         table.add_row("size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values()))
         out.print(table)
         if pm is not None:

@@ -237,7 +237,10 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
                     GenerationConfig(max_new_tokens=24)):
             r = pipe.generate(prompt, cfg)
             assert r.token_ids == plain, (cfg, prompt)
-            assert "disco" in r.stats.schedule and r.stats.proposed > 0
+            assert "disco" in r.stats.schedule
+            # auto drafts only where its measured costs say a draft pays: on these tiny models a drafter
+            # step costs about a target step, so whether it does depends on the machine's timings.
+            assert r.stats.proposed > 0 or cfg.algorithm == "auto"
     # Calibrated greedy (the default): auto leaves DISCO out when it samples; asked for, it runs.
     assert data["temperature"] == 0.0
     sampled = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=0)
