@@ -96,6 +96,8 @@ def main() -> int:
     opts = ap.parse_args()
     if not (opts.pair / PAIR_FILE).is_file():
         ap.error(f"{opts.pair} is not a pair folder (no {PAIR_FILE})")
+    if opts.passes < 1:
+        ap.error("--passes must be at least 1")
     opts.out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/gpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = time.strftime("%Y-%m-%d")
