@@ -269,8 +269,9 @@ class CostSchedule:
             # tried again now and then; only while drafting pays anyway, so exploring costs little.
             rates = {a: self._rates(a, k) for a in self.proposers}
             drafts = max(max(r) for r in rates.values()) > plain
-            every = PROBE_EVERY if drafts or self._could_pay(k, plain) else PROBE_EVERY_HOPELESS
-            if drafts or self.plain_streak >= every:  # else a probe of PROBE tokens
+            probe = self.plain_streak >= PROBE_EVERY and (
+                self.plain_streak >= PROBE_EVERY_HOPELESS or self._could_pay(k, plain))
+            if drafts or probe:  # else a plain step
                 longest = k if drafts else min(PROBE, k)
                 shortest = 1 if drafts else longest
                 best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))

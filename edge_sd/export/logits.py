@@ -51,6 +51,16 @@ def save(model: Any, path: Path) -> None:
             os.chmod(f, 0o644)
 
 
+def save_graph(model: Any, path: Path) -> None:
+    """Write a model loaded without its weights over path, the weights file beside it untouched."""
+    import onnx
+
+    tmp = path.with_name(path.name + ".partial")
+    onnx.save_model(model, str(tmp))
+    os.chmod(tmp, 0o644)
+    tmp.replace(path)  # a new file: a hard-linked copy of the old one (a copied pair folder) keeps it
+
+
 def lm_head(graph: Any, path: Path) -> tuple[Any, list[Any]]:
     """The node computing the LM head (a MatMul or MatMulNBits) and the elementwise ops between it and
     the logits output (nearest the output first)."""
@@ -102,10 +112,7 @@ def add_logits_to_keep(path: Path) -> bool:
     g.node.insert(at, helper.make_node("Neg", [KEEP_INPUT], [f"{KEEP_INPUT}.start"], name="logits_to_keep.neg"))
     node.input[0] = kept
     drop_shapes(g, [node, *chain])
-    tmp = path.with_name(path.name + ".partial")
-    onnx.save_model(model, str(tmp))
-    os.chmod(tmp, 0o644)
-    tmp.replace(path)  # a new file: a hard-linked copy of the old one (a copied pair folder) keeps it
+    save_graph(model, path)
     return True
 
 
@@ -131,10 +138,7 @@ def float32_logits(path: Path) -> bool:
         n.input[:] = ["logits.fp16" if i == "logits" else i for i in n.input]
     g.node.append(helper.make_node("Cast", ["logits.fp16"], ["logits"], to=TensorProto.FLOAT, name="logits.float32"))
     out.type.tensor_type.elem_type = TensorProto.FLOAT
-    tmp = path.with_name(path.name + ".partial")
-    onnx.save_model(model, str(tmp))
-    os.chmod(tmp, 0o644)
-    tmp.replace(path)
+    save_graph(model, path)
     return True
 
 
