@@ -57,11 +57,32 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
     return out / out.sum(axis=-1, keepdims=True)
 
 
+# sample() walks a long vector's CDF in blocks of this many entries: a cumulative sum over Gemma-3's
+# 262k float64 probabilities took 0.53 ms a draw on this CPU, a round or a plain sampled token one or two.
+BLOCK = 1024
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a probability vector [V] (inverse CDF, so one uniform per draw)."""
+    """One draw from a probability vector [V] (inverse CDF, so one uniform per draw). Over a long
+    vector in two levels: the block sums' CDF finds the block the draw falls in, then that block's
+    own CDF the entry; never an entry of probability 0."""
+    n = len(p)
+    if n <= 4 * BLOCK:
+        return _inverse_cdf(p, rng.random() * p.sum())
+    whole = n - n % BLOCK
+    ends = np.cumsum(p[:whole].reshape(-1, BLOCK).sum(axis=1))  # [n // BLOCK]
+    u = rng.random() * (ends[-1] + p[whole:].sum())
+    b = int(np.searchsorted(ends, u, side="right"))  # ends[b - 1] <= u < ends[b]: block b has mass
+    start = b * BLOCK
+    return start + _inverse_cdf(p[start : start + BLOCK], u - (ends[b - 1] if b else 0.0))
+
+
+def _inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The entry whose CDF interval holds u (0 <= u < about p.sum()). Summation order differs between
+    levels, so u may pass the last sum by a rounding error: that draw goes to the last entry with mass."""
     c = np.cumsum(p)
-    u = rng.random() * c[-1]
-    return int(min(np.searchsorted(c, u, side="right"), len(p) - 1))
+    i = int(np.searchsorted(c, u, side="right"))
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:

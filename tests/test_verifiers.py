@@ -159,3 +159,23 @@ def test_warp_top_k_top_p_and_residual() -> None:
     g = warp(np.array([1.0, 3.0, 3.0]), SamplingConfig(0.0))
     assert g.tolist() == [0.0, 1.0, 0.0]  # ties go to the lowest id
     np.testing.assert_allclose(residual(np.array([0.5, 0.5]), np.array([0.8, 0.2])), [0.0, 1.0])
+
+
+def test_sample_over_a_long_vector_follows_p() -> None:
+    """sample() walks a long vector's CDF in blocks (sampling.BLOCK): its draws follow p, mass in the
+    last partial block and zeros (whole blocks of them too) included, and never land on a zero."""
+    from edge_sd.sampling import BLOCK
+
+    n = 5 * BLOCK + 37
+    p = np.zeros(n)
+    hot = np.array([0, 5, BLOCK - 1, BLOCK, 3 * BLOCK + 7, n - 1])  # block edges, the partial tail
+    p[hot] = np.random.default_rng(3).dirichlet(np.ones(len(hot)))
+    rng = np.random.default_rng(11)
+    draws = np.array([sample(p, rng) for _ in range(N)])
+    assert np.isin(draws, hot).all()
+    counts = np.array([(draws == h).sum() for h in hot], dtype=np.float64)
+    assert tv(counts, p[hot]) < tv_bound(len(hot)) < tv(counts, np.roll(p[hot], 1))  # and not another p
+    # u at the very end of the CDF (a uniform of nearly 1) still lands on an entry with mass
+    top = SimpleNamespace(random=lambda: 1.0 - 1e-16)
+    assert p[sample(p, top)] > 0 and p[sample(p[:BLOCK], top)] > 0
+
