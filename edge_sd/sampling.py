@@ -68,21 +68,23 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     own CDF the entry; never an entry of probability 0."""
     n = len(p)
     if n <= 4 * BLOCK:
-        return _inverse_cdf(p, rng.random() * p.sum())
-    whole = n - n % BLOCK
-    ends = np.cumsum(p[:whole].reshape(-1, BLOCK).sum(axis=1))  # [n // BLOCK]
-    u = rng.random() * (ends[-1] + p[whole:].sum())
-    b = int(np.searchsorted(ends, u, side="right"))  # ends[b - 1] <= u < ends[b]: block b has mass
-    start = b * BLOCK
-    return start + _inverse_cdf(p[start : start + BLOCK], u - (ends[b - 1] if b else 0.0))
+        i = _inverse_cdf(p, rng.random() * p.sum())
+    else:
+        whole = n - n % BLOCK
+        ends = np.cumsum(p[:whole].reshape(-1, BLOCK).sum(axis=1))  # [n // BLOCK]
+        u = rng.random() * (ends[-1] + p[whole:].sum())
+        b = int(np.searchsorted(ends, u, side="right"))  # ends[b - 1] <= u < ends[b]: block b has mass
+        block = _inverse_cdf(p[b * BLOCK : (b + 1) * BLOCK], u - (ends[b - 1] if b else 0.0))
+        i = b * BLOCK + block if block >= 0 else -1
+    # Sums taken in another order (or a uniform that rounds up) can put u past the last cumulative sum
+    # by a rounding error: such a draw goes to the last entry with mass.
+    return i if i >= 0 and p[i] > 0 else int(np.flatnonzero(p)[-1])
 
 
 def _inverse_cdf(p: np.ndarray, u: float) -> int:
-    """The entry whose CDF interval holds u (0 <= u < about p.sum()). Summation order differs between
-    levels, so u may pass the last sum by a rounding error: that draw goes to the last entry with mass."""
-    c = np.cumsum(p)
-    i = int(np.searchsorted(c, u, side="right"))
-    return i if i < len(p) else int(np.flatnonzero(p)[-1])
+    """The entry whose CDF interval holds u, or -1 when u is not below p's sum."""
+    i = int(np.searchsorted(np.cumsum(p), u, side="right"))
+    return i if i < len(p) else -1
 
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -178,4 +178,9 @@ def test_sample_over_a_long_vector_follows_p() -> None:
     # u at the very end of the CDF (a uniform of nearly 1) still lands on an entry with mass
     top = SimpleNamespace(random=lambda: 1.0 - 1e-16)
     assert p[sample(p, top)] > 0 and p[sample(p[:BLOCK], top)] > 0
-
+    # and u past the last sum (a uniform rounded up to 1), where the last blocks hold no mass and no
+    # partial block follows, goes to the last entry with mass
+    p2 = np.zeros(5 * BLOCK)
+    p2[[3, 2 * BLOCK + 1]] = [0.25, 0.75]
+    one = SimpleNamespace(random=lambda: 1.0)
+    assert sample(p2, one) == 2 * BLOCK + 1 and sample(p2[: 2 * BLOCK + 2], one) == 2 * BLOCK + 1
