@@ -11,7 +11,8 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
   with a short probe every few plain steps so that a text where drafts start to pay is noticed; the
   algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in greedy
   decoding the length too, so that depths seldom verified are tried);
-- confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5);
+- confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5); on top
+  of the cost model, auto's greedy drafts on a pair with no DISCO calibrated for greedy decoding;
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model (whose
   drafts may then run to its longest: the cost model starts them, DISCO ends them).
 """
@@ -44,6 +45,8 @@ COST_WEIGHT = 0.1
 # errors, so that one seldom tried (or tried long ago: decay shrinks its counts) is tried again, and
 # one unlucky early draft does not rule an algorithm out for the rest of the text.
 OPTIMISM = 1.0
+# The confidence cut stops a draft after a token whose drafter top probability was below this.
+CONFIDENCE = 0.5
 # A new generation is a new text: the acceptance counts of the ones before it are kept as a prior worth
 # at most this many rounds (of the first position), so that a text unlike the last is soon judged on
 # its own rounds rather than on the last text's.
@@ -91,25 +94,35 @@ class StaticSchedule:
         return {}
 
 
-class ConfidenceSchedule(StaticSchedule):
-    """Confidence cut: a draft stops after a token drawn where the drafter's top probability (at
-    temperature 1) was below the threshold."""
+class ConfidenceCut:
+    """Stops a draft after a token drawn where the drafter's top probability (at temperature 1) was
+    below the threshold (a drafter state's `stopper`)."""
 
-    name = "confidence"
-
-    def __init__(self, proposer: Proposer, k: int, threshold: float = 0.5):
-        super().__init__(proposer, k)
+    def __init__(self, state: DrafterState, threshold: float = CONFIDENCE):
         self.threshold = threshold
         self.stopped = 0
-        proposer.drafter.stopper = self._keep_drafting
+        state.stopper = self
 
-    def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
+    def __call__(self, logits: np.ndarray, position: int) -> bool:
         keep = bool(token_features(logits, position, 0.0, "")[0] >= self.threshold)
         self.stopped += not keep
         return keep
 
     def summary(self) -> dict:
         return {"confidence": {"threshold": self.threshold, "stopped_early": self.stopped}}
+
+
+class ConfidenceSchedule(StaticSchedule):
+    """Confidence cut on a static k."""
+
+    name = "confidence"
+
+    def __init__(self, proposer: Proposer, k: int, threshold: float = CONFIDENCE):
+        super().__init__(proposer, k)
+        self.cut = ConfidenceCut(proposer.drafter, threshold)
+
+    def summary(self) -> dict:
+        return self.cut.summary()
 
 
 class HeuristicSchedule(StaticSchedule):
@@ -355,6 +368,30 @@ class DiscoSchedule:
 
     def summary(self) -> dict:
         return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}
+
+
+class CostWithConfidence:
+    """The cost model with the confidence cut: auto's greedy schedule on a pair with no DISCO classifier
+    calibrated for greedy decoding. The cost model decides whether a round drafts and with which
+    algorithm; the draft may run to the longest and stops after a token the drafter was unsure of.
+    Side by side on 16 held-out prompts of the real pair over two passes, greedy: 1.55x and 1.47x
+    against 1.46x and 1.40x with drafts ended by the cost model's own marginal test (medians)."""
+
+    name = "cost"
+
+    def __init__(self, inner: CostSchedule, state: DrafterState, threshold: float = CONFIDENCE):
+        self.inner = inner
+        self.cut = ConfidenceCut(state, threshold)
+
+    def plan(self, budget: int) -> Plan:
+        return self.inner.plan(budget, open_ended=True)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
+
+    def summary(self) -> dict:
+        return {**self.inner.summary(), **self.cut.summary()}
 
 
 class TraceRecorder(StaticSchedule):

@@ -19,6 +19,7 @@ from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
 from edge_sd.lookahead import (
     ConfidenceSchedule,
     CostSchedule,
+    CostWithConfidence,
     DiscoSchedule,
     HeuristicSchedule,
     Schedule,
@@ -60,7 +61,8 @@ class GenerationConfig:
     # [DEFAULT_MAX_LOOKAHEAD]
     lookahead: int | None = None
     # None: cost for auto (which picks the algorithm too; with DISCO on top when the pair folder holds
-    # a disco.json calibrated for this kind of decoding, greedy or sampling), static for a named algorithm
+    # a disco.json calibrated for this kind of decoding, greedy or sampling, else in greedy decoding with
+    # the confidence cut on top), static for a named algorithm
     schedule: str | None = None
 
     def check(self) -> None:
@@ -299,6 +301,8 @@ class Pipeline:
             # the drafter has run one (probes only catch up), the step measured at load stands in.
             if state.step_s is None:
                 state.step_s = self.costs(k)[1]
+            if algo == "auto" and cfg.schedule is None and greedy:  # no DISCO for greedy decoding here
+                return CostWithConfidence(self._cost_schedules[key], state), k
             return self._cost_schedules[key], k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:

@@ -246,3 +246,20 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     sampled = GenerationConfig(max_new_tokens=8, temperature=1.0, seed=0)
     assert "disco" not in pipe.generate("The cat", sampled).stats.schedule
     assert "disco" in pipe.generate("The cat", replace(sampled, algorithm="tli", schedule="disco")).stats.schedule
+
+
+def test_uncalibrated_auto_ends_greedy_drafts_with_the_confidence_cut(pipelines) -> None:
+    """On a pair without DISCO, auto's greedy drafts run under the cost model and stop at the confidence
+    cut (still plain decoding's tokens); sampling keeps the cost model alone; `-s cost` names it alone."""
+    from edge_sd import GenerationConfig
+
+    pipe = pipelines["gemma_qwen"]
+    assert pipe.disco is None
+    prompt = "def add(a, b):"
+    plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
+    r = pipe.generate(prompt, GenerationConfig(max_new_tokens=24))
+    assert r.token_ids == plain
+    assert "confidence" in r.stats.schedule and "rounds" in r.stats.schedule
+    for cfg in (GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1),
+                GenerationConfig(max_new_tokens=8, schedule="cost")):
+        assert "confidence" not in pipe.generate(prompt, cfg).stats.schedule
