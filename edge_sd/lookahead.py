@@ -330,15 +330,42 @@ class CostSchedule:
         }
 
 
-class DiscoSchedule:
-    """DISCO on top of another schedule: the inner one decides whether to draft, with which algorithm
-    and how far at most (a static k; on the cost model, its longest draft); the classifier stops a
-    draft after any drafted token whose predicted acceptance falls below the calibrated threshold."""
+class StoppedSchedule:
+    """A stopper on top of another schedule: the inner one decides whether to draft, with which
+    algorithm and how far at most (a static k; on the cost model, its longest draft); the stopper
+    (the drafter state's `stopper`) ends the draft."""
+
+    name = "stopped"
+
+    def __init__(self, inner: Schedule):
+        self.inner = inner
+
+    def plan(self, budget: int) -> Plan:
+        # On the cost model, the cost model decides whether a draft starts, the stopper when it ends.
+        # DISCO's threshold was fitted on tokens per second at calibration; stopping where the cost
+        # model's estimates said the next token would not pay (DISCO's probability times the next
+        # position's acceptance) ran slower side by side (held-out greedy prompts, 2 passes: 1.26x/1.39x
+        # against 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
+        inner = self.inner
+        return inner.plan(budget, open_ended=True) if isinstance(inner, CostSchedule) else inner.plan(budget)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
+
+    def summary(self) -> dict:
+        return self.inner.summary()
+
+
+class DiscoSchedule(StoppedSchedule):
+    """DISCO on top of another schedule: the classifier stops a draft after any drafted token whose
+    predicted acceptance falls below the calibrated threshold."""
 
     name = "disco"
 
     def __init__(self, inner: Schedule, model: DiscoModel, state: DrafterState, names: dict[int, str]):
-        self.inner, self.model, self.names = inner, model, names
+        super().__init__(inner)
+        self.model, self.names = model, names
         self.recent = 0.5
         self.algo = ""
         self.stopped = 0
@@ -350,13 +377,7 @@ class DiscoSchedule:
         return keep
 
     def plan(self, budget: int) -> Plan:
-        # On the cost model, the cost model decides whether a draft starts, DISCO when it stops. Its
-        # threshold was fitted on tokens per second at calibration; stopping where the cost model's
-        # estimates said the next token would not pay (DISCO's probability times the next position's
-        # acceptance) ran slower side by side (held-out greedy prompts, 2 passes: 1.26x/1.39x against
-        # 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
-        inner = self.inner
-        plan = inner.plan(budget, open_ended=True) if isinstance(inner, CostSchedule) else inner.plan(budget)
+        plan = super().plan(budget)
         self.algo = self.names.get(id(plan.proposer), "")
         return plan
 
@@ -364,31 +385,23 @@ class DiscoSchedule:
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         if proposed:
             self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)
-        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
+        super().observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
 
     def summary(self) -> dict:
         return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}
 
 
-class CostWithConfidence:
-    """The cost model with the confidence cut: auto's greedy schedule on a pair with no DISCO classifier
-    calibrated for greedy decoding. The cost model decides whether a round drafts and with which
-    algorithm; the draft may run to the longest and stops after a token the drafter was unsure of.
-    Side by side on 16 held-out prompts of the real pair over two passes, greedy: 1.55x and 1.47x
-    against 1.46x and 1.40x with drafts ended by the cost model's own marginal test (medians)."""
+class CostWithConfidence(StoppedSchedule):
+    """The confidence cut on top of the cost model: auto's greedy schedule on a pair with no DISCO
+    classifier calibrated for greedy decoding. Side by side on 16 held-out prompts of the real pair over
+    two passes, greedy: 1.55x and 1.47x against 1.46x and 1.40x with drafts ended by the cost model's
+    own marginal test (medians)."""
 
     name = "cost"
 
     def __init__(self, inner: CostSchedule, state: DrafterState, threshold: float = CONFIDENCE):
-        self.inner = inner
+        super().__init__(inner)
         self.cut = ConfidenceCut(state, threshold)
-
-    def plan(self, budget: int) -> Plan:
-        return self.inner.plan(budget, open_ended=True)
-
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
 
     def summary(self) -> dict:
         return {**self.inner.summary(), **self.cut.summary()}

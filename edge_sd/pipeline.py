@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -275,20 +275,16 @@ class Pipeline:
         name = cfg.schedule or ("cost" if algo == "auto" else "static")
         if not proposers or state is None:
             return StaticSchedule(None, 0), 0
-        # auto adds DISCO's stops where the pair's classifier was calibrated for this kind of decoding
-        # (greedy or sampling); asked for by name, it runs either way.
-        calibrated = self.disco is not None and self.disco.greedy == greedy
-        if name == "disco" or (name == "cost" and algo == "auto" and cfg.schedule is None and calibrated):
-            if self.disco is None:
-                raise UsageError("the disco schedule needs a calibrated pair: run `edge-sd calibrate PAIR` first")
-            names = {id(p): a for a, p in proposers.items()}
-            if algo == "auto":  # the cost model decides whether to draft, DISCO when to stop
-                cost, k = self._schedule(algo, replace(cfg, schedule="cost"), proposers, state, greedy)
-                return DiscoSchedule(cost, self.disco, state, names), k
-            k = cfg.lookahead if cfg.lookahead is not None else self.disco.k
+        disco = self.disco
+        if name == "disco" and disco is None:
+            raise UsageError("the disco schedule needs a calibrated pair: run `edge-sd calibrate PAIR` first")
+        names = {id(p): a for a, p in proposers.items()}
+        if name == "disco" and algo != "auto":
+            assert disco is not None
+            k = cfg.lookahead if cfg.lookahead is not None else disco.k
             (proposer,) = proposers.values()
-            return DiscoSchedule(StaticSchedule(proposer, k), self.disco, state, names), k
-        if name == "cost":
+            return DiscoSchedule(StaticSchedule(proposer, k), disco, state, names), k
+        if name in ("cost", "disco"):
             k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_MAX_LOOKAHEAD
             key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, tuple(proposers))
             if key in self._cost_schedules:
@@ -301,9 +297,15 @@ class Pipeline:
             # the drafter has run one (probes only catch up), the step measured at load stands in.
             if state.step_s is None:
                 state.step_s = self.costs(k)[1]
-            if algo == "auto" and cfg.schedule is None and greedy:  # no DISCO for greedy decoding here
-                return CostWithConfidence(self._cost_schedules[key], state), k
-            return self._cost_schedules[key], k
+            cost = self._cost_schedules[key]
+            # auto: the cost model decides whether to draft, a stopper when to stop: DISCO where the
+            # pair's classifier was calibrated for this kind of decoding (greedy or sampling; asked for
+            # by name, it runs either way), else in greedy decoding the confidence cut.
+            if disco is not None and (name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
+                return DiscoSchedule(cost, disco, state, names), k
+            if cfg.schedule is None and greedy:
+                return CostWithConfidence(cost, state), k
+            return cost, k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
             raise UsageError(f"the {name} schedule drafts with one algorithm: name it with --algorithm")
