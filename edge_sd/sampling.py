@@ -1,4 +1,4 @@
-"""Warping and sampling, in float64. Naming: `p` is the target's distribution, `q` the drafter's."""
+"""Warping and sampling (probabilities in float64). Naming: `p` is the target's distribution, `q` the drafter's."""
 
 from __future__ import annotations
 
@@ -29,20 +29,23 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
         out = np.zeros(np.shape(logits), dtype=np.float64)
         np.put_along_axis(out, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    # One float64 copy, worked on in place: rows over a 262k vocabulary are megabytes each, and fresh
-    # temporaries of that size cost more than the arithmetic (3 rows: 4 ms against 1.3 on this CPU).
-    x = np.array(logits, dtype=np.float64)
+    # One float32 copy, worked on in place, exp in float32 (the logits' own precision; numpy vectorises
+    # it), then float64 probabilities normalised by a float64 sum: a row of Gemma-3's 262k entries takes
+    # 1.1 ms against 3.2 all in float64 on this CPU, and a sampled round warps two or three. The
+    # probabilities move by about 1e-6 of themselves; plain and speculative decoding share this function.
+    x = np.array(logits, dtype=np.float32)
     if cfg.temperature != 1.0:
-        x /= cfg.temperature
+        x /= np.float32(cfg.temperature)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = np.partition(x, -cfg.top_k, axis=-1)[..., -cfg.top_k, None]
         x[x < kth] = -np.inf
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
+    p = x.astype(np.float64)
+    p /= p.sum(axis=-1, keepdims=True)
     if cfg.top_p < 1.0:
-        x = _top_p(x, cfg.top_p)
-    return x
+        p = _top_p(p, cfg.top_p)
+    return p
 
 
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:

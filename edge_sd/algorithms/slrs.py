@@ -40,8 +40,8 @@ class SLRSProposer:
         drafted = 0
         more = True  # the stopper's answer after the last drafted token
         while len(cands) < k:
-            row = np.zeros(self.target_width)
             if leftover:
+                row = np.zeros(self.target_width)
                 t = longest_prefix_token(self.by_bytes, leftover, self.max_len)
                 if t >= 0:
                     row[t] = 1.0
