@@ -65,7 +65,7 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
     model = DiscoModel([float(v) for v in w], b, [float(v) for v in mean], [float(v) for v in scale],
                        threshold=0.0, k=k, trained_on=len(y), temperature=temperature)
     scored = [([model.prob(f) for f in feats], labels) for feats, labels in rounds]
-    target_cost, _ = pipe.costs(k)
+    target_cost = pipe.costs(k).target
     step = statistics.median(draft_s)
     model.threshold = best_threshold(scored, target_cost, step, k)
     path = model.save(folder)

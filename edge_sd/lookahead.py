@@ -8,7 +8,9 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 - heuristic: k += 2 after a round where every candidate was accepted, else k -= 1 (at least 1);
 - cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
-  with a short probe every few plain steps so that a text where drafts start to pay is noticed; the
+  nor when what the rest of the generation would gain does not cover the drafter's catching up (its
+  prompt, first of all), with a short probe every few plain steps so that a text where drafts start to
+  pay is noticed; the
   algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in greedy
   decoding the length too, so that depths seldom verified are tried);
 - confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5); on top
@@ -228,11 +230,13 @@ class CostSchedule:
     name = "cost"
 
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
-                 draft_cost: dict[str, float], greedy: bool = False):
+                 draft_cost: dict[str, float], greedy: bool = False, catch_up: float = 0.0):
+        """catch_up: seconds of each position a drafter forward feeds beyond its first."""
         self.k_max = k_max
         self.depth_optimism = OPTIMISM if greedy else 0.0
         self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
         self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
+        self.catch_up = Estimate(catch_up)
         self.acceptance = {name: Acceptance() for name in proposers}
         # The rest of a round over s positions (verification, warping p, the text, syncing the
         # drafter): more for a round that drafts than for a plain step, and growing with s when
@@ -250,6 +254,8 @@ class CostSchedule:
         self._algo_of = {id(p): name for name, p in proposers.items()}
         self.plain_streak = 0
         self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of this generation
+        self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
+        self._behind = 0  # positions the planned draft's first drafter forward catches up
 
     def _other(self, s: int) -> float:
         """The rest of a round over s positions: measured, else scaled from the nearest measured size
@@ -282,7 +288,17 @@ class CostSchedule:
             # tried again now and then; only while drafting pays anyway, so exploring costs little.
             rates = {a: self._rates(a, k) for a in self.proposers}
             drafts = max(max(r) for r in rates.values()) > plain
-            probe = self.plain_streak >= PROBE_EVERY and (
+            # The drafter's catching up is paid once, whatever follows: a draft starts only where the
+            # rest of the generation (budget + 1 tokens), drafted at the estimated rate (in greedy
+            # decoding on optimistic depths, as its draft length is chosen), gains it back, and a probe,
+            # which cannot know that, only where it costs no more than a plain step. At 48 new tokens
+            # on the 2-core CPU the drafter's prompt ate all that sampled drafts gained.
+            owed = self._behind_now() * self.catch_up.value
+            if drafts and owed:
+                best = max(max(self._rates(a, k, self.depth_optimism)) for a in self.proposers)
+                drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
+                self.held_back += not drafts
+            probe = owed <= self.target_cost[1].value and self.plain_streak >= PROBE_EVERY and (
                 self.plain_streak >= PROBE_EVERY_HOPELESS or self._could_pay(k, plain))
             if drafts or probe:  # else a plain step
                 longest = k if drafts else min(PROBE, k)
@@ -295,7 +311,13 @@ class CostSchedule:
                     depths = self._rates(best_algo, k, self.depth_optimism) if self.depth_optimism else rates[best_algo]
                     best_m = 1 + int(np.argmax(depths))
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
+        self._behind = self._behind_now() if best_algo else 0
         return Plan(self.proposers[best_algo] if best_algo else None, best_m)
+
+    def _behind_now(self) -> int:
+        """Positions a draft starting now feeds beyond a steady draft's first forward (one state
+        serves every proposer)."""
+        return next(iter(self.proposers.values())).drafter.behind
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
@@ -313,6 +335,8 @@ class CostSchedule:
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
         self.draft_cost[algo].add(max(0.0, draft_s - proposer.drafter.catch_up_s) / proposed)
+        if self._behind:
+            self.catch_up.add(proposer.drafter.catch_up_s / self._behind)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
@@ -325,6 +349,8 @@ class CostSchedule:
             "target_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.target_cost.items())},
             "draft_ms_per_token": {a: round(1e3 * c.value, 2) for a, c in self.draft_cost.items()},
             "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
+            "catch_up_ms_per_position": round(1e3 * self.catch_up.value, 3),
+            "held_back": self.held_back,
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }

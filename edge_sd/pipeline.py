@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,6 +43,16 @@ SCHEDULES = ("static", "heuristic", "confidence", "cost", "disco")
 # and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS.
 CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 3
+
+
+class Costs(NamedTuple):
+    """What the engines cost, measured at load: seconds of a target forward over s positions (s -> s),
+    of a one-position drafter step, and of each position a drafter forward feeds beyond its first
+    (catching up: the prompt, or the tokens committed during plain steps)."""
+
+    target: dict[int, float]
+    step: float
+    position: float
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,7 @@ class Pipeline:
         self.maps = maps
         self.same_vocab = same_vocab
         self.notes = notes or []
-        self._costs: tuple[dict[int, float], float] | None = None  # calibrated by costs()
+        self._costs: Costs | None = None  # calibrated by costs()
         self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
         self.kernel: Kernel | None = None  # RDK's kernel M (export --drafter-vocab-keep)
         # The cost schedule of each sampling mode and set of algorithms, kept between generations: its
@@ -248,9 +258,10 @@ class Pipeline:
 
         return {a: make(a) for a in algos}
 
-    def costs(self, k_max: int) -> tuple[dict[int, float], float]:
-        """Seconds of a target forward over s = 1..k_max+1 positions, and of a drafter step, measured on
-        the loaded engines (kept for later generations; the cost schedule then follows them online)."""
+    def costs(self, k_max: int) -> Costs:
+        """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught
+        up, measured on the loaded engines (kept for later generations; the cost schedule then follows
+        them online)."""
         assert self.drafter is not None
         if self._costs is None:
             t, d = self.target.engine, self.drafter.engine
@@ -264,11 +275,15 @@ class Pipeline:
             one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
                                                                                           CALIBRATION_CONTEXT, span)
             step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
-            self._costs = ({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)}, step)
-        target, step = self._costs
+            # A prompt's worth of positions at once (once untimed, once timed): from it alone auto judges
+            # whether a generation's first draft gains back the drafter's prompt, until a draft has.
+            fill = _median_forward(d, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
+            self._costs = Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
+                                step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
+        target = self._costs.target
         last = max(target)
         slope = (target[last] - target[1]) / max(1, last - 1)
-        return {s: target.get(s, target[1] + slope * (s - 1)) for s in range(1, k_max + 2)}, step
+        return self._costs._replace(target={s: target.get(s, target[1] + slope * (s - 1)) for s in range(1, k_max + 2)})
 
     def _schedule(self, algo: str, cfg: GenerationConfig, proposers: dict[str, Proposer], state: DrafterState | None,
                   greedy: bool) -> tuple[Schedule, int]:
@@ -290,13 +305,13 @@ class Pipeline:
             if key in self._cost_schedules:
                 self._cost_schedules[key].rebind(proposers)
             else:
-                target, step = self.costs(k)
-                self._cost_schedules[key] = CostSchedule(proposers, k, target, {a: step for a in proposers},
-                                                         greedy=greedy)
+                costs = self.costs(k)
+                self._cost_schedules[key] = CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers},
+                                                         greedy=greedy, catch_up=costs.position)
             # A draft's catching up is told apart from its drafting against a one-position step; until
             # the drafter has run one (probes only catch up), the step measured at load stands in.
             if state.step_s is None:
-                state.step_s = self.costs(k)[1]
+                state.step_s = self.costs(k).step
             cost = self._cost_schedules[key]
             # auto: the cost model decides whether to draft, a stopper when to stop: DISCO where the
             # pair's classifier was calibrated for this kind of decoding (greedy or sampling; asked for

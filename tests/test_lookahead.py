@@ -17,9 +17,10 @@ K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
 
 
-def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False) -> CostSchedule:
-    proposers = {a: SimpleNamespace(name=a, drafter=SimpleNamespace(catch_up_s=0.0)) for a in algos}
-    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, greedy)
+def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False, catch_up: float = 0.0) -> CostSchedule:
+    state = SimpleNamespace(catch_up_s=0.0, behind=0)  # one drafter state serves every proposer
+    proposers = {a: SimpleNamespace(name=a, drafter=state) for a in algos}
+    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, greedy, catch_up=catch_up)
 
 
 def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later: float | None = None) -> dict:
@@ -140,6 +141,29 @@ def test_disco_on_the_cost_model_stops_drafts_that_may_run_to_the_longest() -> N
     assert disco.plan(K).m == K and state.stopper is not None
     assert state.stopper(np.log([0.9, 0.1]), 1) and not state.stopper(np.log([0.4, 0.3, 0.3]), 2)
     assert disco.summary()["disco"]["stopped_early"] == 1
+
+
+def test_a_draft_starts_only_where_the_rest_gains_back_the_catching_up() -> None:
+    """Drafts at 6 ms a token, accepted half the time (the prior), gain 4.67 ms a token over 30 ms plain
+    steps. A drafter 100 positions behind (its prompt) at 1 ms a position owes 100 ms, paid once:
+    drafting starts with 200 tokens to go, not with 10, and no probe pays that debt. 10 positions
+    behind (10 ms, less than a plain step) with 2 tokens to go (9.3 ms to gain): no draft, but the
+    probe after PROBE_EVERY plain steps goes ahead."""
+    sched = schedule(0.006, catch_up=0.001)
+    state = sched.proposers["slem"].drafter
+    state.behind = 100
+    assert sched.plan(199).proposer is not None
+    sched.rebind(sched.proposers)
+    assert {sched.plan(9).m for _ in range(3 * PROBE_EVERY)} == {0}
+    assert sched.summary()["held_back"] == 3 * PROBE_EVERY
+    state.behind = 10
+    sched.rebind(sched.proposers)
+    assert [sched.plan(1).m for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [1]
+    # What a draft's catching up measured is what later decisions use: here 3 ms a position.
+    plan = sched.plan(199)
+    state.catch_up_s = 0.030
+    sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006)
+    assert abs(sched.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
 
 
 def test_costs_follow_what_rounds_measure() -> None:
@@ -263,3 +287,24 @@ def test_uncalibrated_auto_ends_greedy_drafts_with_the_confidence_cut(pipelines)
     for cfg in (GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1),
                 GenerationConfig(max_new_tokens=8, schedule="cost")):
         assert "confidence" not in pipe.generate(prompt, cfg).stats.schedule
+
+
+def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipelines) -> None:
+    """The pipeline times the drafter's catching up per position at load and the cost schedule carries
+    it; when it is dear, auto leaves the drafter idle for the whole generation (no drafter forward at
+    all) and the output is still plain decoding's."""
+    from edge_sd import GenerationConfig
+
+    pipe = pipelines["gemma_qwen"]
+    prompt = "def add(a, b):"
+    plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
+    first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
+    assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
+    sched = pipe._cost_schedules[(True, 0, 1.0, 0.0, 6, ("slem",))]  # greedy, the longest draft 6
+    kept = sched.catch_up.value
+    try:
+        sched.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
+    finally:
+        sched.catch_up.value = kept
+    assert r.token_ids == plain and r.stats.drafter_forwards == 0 and set(r.stats.schedule["rounds"]) == {"plain"}

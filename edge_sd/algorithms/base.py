@@ -118,6 +118,14 @@ class DrafterState:
         self.catch_up_s = 0.0
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
 
+    @property
+    def behind(self) -> int:
+        """Positions the next forward feeds beyond a one-position step when it is catching up (more than
+        STEADY_PENDING pending: the prompt, or tokens committed during plain steps), else 0: what
+        `catch_up_s` will have measured."""
+        pending = len(self.ids) - self.engine.n_cached
+        return pending - 1 if pending > STEADY_PENDING else 0
+
     def keep_drafting(self, logits: np.ndarray) -> bool:
         """After a drafted token was pushed (drawn from `logits`): whether to draft another."""
         self._position += 1
