@@ -10,9 +10,8 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
   nor when what the rest of the generation would gain does not cover the drafter's catching up (its
   prompt, first of all), with a short probe every few plain steps so that a text where drafts start to
-  pay is noticed; the
-  algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in greedy
-  decoding the length too, so that depths seldom verified are tried);
+  pay is noticed; the algorithm is chosen on optimistic acceptance, so that one seldom tried is tried
+  again (and in greedy decoding the length too, so that depths seldom verified are tried);
 - confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5); on top
   of the cost model, auto's greedy drafts on a pair with no DISCO calibrated for greedy decoding;
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model (whose
