@@ -281,6 +281,9 @@ class CostSchedule:
         k = min(self.k_max, budget)
         plain = 1.0 / (self.target_cost[1].value + self._other(1))
         best_algo, best_m = None, 0
+        # Positions a draft starting now feeds beyond a steady draft's first forward (one drafter
+        # state serves every proposer).
+        behind = next(iter(self.proposers.values())).drafter.behind
         if k > 0:
             # Whether to draft: on the estimates as they are (a draft that does not pay on them is a
             # plain step). Which algorithm: the best on optimistic estimates, so that the others are
@@ -292,7 +295,7 @@ class CostSchedule:
             # decoding on optimistic depths, as its draft length is chosen), gains it back, and a probe,
             # which cannot know that, only where it costs no more than a plain step. At 48 new tokens
             # on the 2-core CPU the drafter's prompt ate all that sampled drafts gained.
-            owed = self._behind_now() * self.catch_up.value
+            owed = behind * self.catch_up.value
             if drafts and owed:
                 best = max(max(self._rates(a, k, self.depth_optimism)) for a in self.proposers)
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
@@ -310,13 +313,8 @@ class CostSchedule:
                     depths = self._rates(best_algo, k, self.depth_optimism) if self.depth_optimism else rates[best_algo]
                     best_m = 1 + int(np.argmax(depths))
         self.plain_streak = 0 if best_algo else self.plain_streak + 1
-        self._behind = self._behind_now() if best_algo else 0
+        self._behind = behind if best_algo else 0
         return Plan(self.proposers[best_algo] if best_algo else None, best_m)
-
-    def _behind_now(self) -> int:
-        """Positions a draft starting now feeds beyond a steady draft's first forward (one state
-        serves every proposer)."""
-        return next(iter(self.proposers.values())).drafter.behind
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
