@@ -19,7 +19,6 @@ from edge_sd.errors import ArtifactError, ContextLimitError, UsageError
 from edge_sd.lookahead import (
     ConfidenceSchedule,
     CostSchedule,
-    CostWithConfidence,
     DiscoSchedule,
     HeuristicSchedule,
     Schedule,
@@ -319,7 +318,7 @@ class Pipeline:
             if disco is not None and (name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
                 return DiscoSchedule(cost, disco, state, names), k
             if cfg.schedule is None and greedy:
-                return CostWithConfidence(cost, state), k
+                return ConfidenceSchedule(cost, state), k
             return cost, k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
@@ -328,7 +327,7 @@ class Pipeline:
         if name == "heuristic":
             return HeuristicSchedule(proposer, k, max(k, DEFAULT_MAX_LOOKAHEAD)), k
         if name == "confidence":
-            return ConfidenceSchedule(proposer, k), k
+            return ConfidenceSchedule(StaticSchedule(proposer, k), state), k
         return StaticSchedule(proposer, k), k
 
     def stream_events(self, prompt: str, config: GenerationConfig | None = None,
