@@ -10,8 +10,9 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
   nor when what the rest of the generation would gain does not cover the drafter's catching up (its
   prompt, first of all), with a short probe every few plain steps so that a text where drafts start to
-  pay is noticed; the algorithm is chosen on optimistic acceptance, so that one seldom tried is tried
-  again (and in greedy decoding the length too, so that depths seldom verified are tried);
+  pay is noticed (one that must pay such catching up only after a few generations without a draft);
+  the algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in
+  greedy decoding the length too, so that depths seldom verified are tried);
 - confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5); on top
   of the cost model, auto's greedy drafts on a pair with no DISCO calibrated for greedy decoding;
 - disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model (whose
@@ -39,6 +40,11 @@ DECAY = 0.97
 PROBE_EVERY = 8
 PROBE_EVERY_HOPELESS = 64
 PROBE = 1
+# A probe whose drafter must first catch up more than a plain step costs (its prompt, at a generation's
+# start) is not made, unless this many generations in a row drafted nothing: then one is, so that
+# estimates carried from texts where drafts did not pay are put to the test again on a new one (a
+# long-lived pipeline would else decode plainly for good after a few poor texts).
+PROBE_EVERY_GENERATIONS = 4
 # Cost estimates follow new measurements with this weight (exponential moving average), after a
 # plain mean over their first 1 / COST_WEIGHT measurements.
 COST_WEIGHT = 0.1
@@ -229,6 +235,8 @@ class CostSchedule:
         # sampling warps each position's distribution over a large vocabulary; learnt online.
         self.other_cost: dict[int, Estimate] = {}
         self.carry = CARRY
+        self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of a generation
+        self.idle_generations = -1  # generations in a row that drafted nothing (rebind counts this one)
         self.rebind(proposers)
 
     def rebind(self, proposers: dict[str, Proposer]) -> None:
@@ -238,8 +246,10 @@ class CostSchedule:
         for acc in self.acceptance.values():
             acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
+        drafted = any(key != "plain" for key in self.rounds)
+        self.idle_generations = 0 if drafted else self.idle_generations + 1
         self.plain_streak = 0
-        self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of this generation
+        self.rounds = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of this generation
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
         self._behind = 0  # positions the planned draft's first drafter forward catches up
 
@@ -280,14 +290,16 @@ class CostSchedule:
             # The drafter's catching up is paid once, whatever follows: a draft starts only where the
             # rest of the generation (budget + 1 tokens), drafted at the estimated rate (in greedy
             # decoding on optimistic depths, as its draft length is chosen), gains it back, and a probe,
-            # which cannot know that, only where it costs no more than a plain step. At 48 new tokens
-            # on the 2-core CPU the drafter's prompt ate all that sampled drafts gained.
+            # which cannot know that, only where it costs no more than a plain step (or after
+            # PROBE_EVERY_GENERATIONS generations without a draft). At 48 new tokens on the 2-core CPU
+            # the drafter's prompt ate all that sampled drafts gained.
             owed = behind * self.catch_up.value
             if drafts and owed:
                 best = max(max(self._rates(a, k, self.depth_optimism)) for a in self.proposers)
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
                 self.held_back += not drafts
-            probe = owed <= self.target_cost[1].value and self.plain_streak >= PROBE_EVERY and (
+            affordable = owed <= self.target_cost[1].value or self.idle_generations >= PROBE_EVERY_GENERATIONS
+            probe = affordable and self.plain_streak >= PROBE_EVERY and (
                 self.plain_streak >= PROBE_EVERY_HOPELESS or self._could_pay(k, plain))
             if drafts or probe:  # else a plain step
                 longest = k if drafts else min(PROBE, k)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from edge_sd.lookahead import (
     CARRY,
     PROBE_EVERY,
+    PROBE_EVERY_GENERATIONS,
     PROBE_EVERY_HOPELESS,
     Acceptance,
     CostSchedule,
@@ -164,6 +165,32 @@ def test_a_draft_starts_only_where_the_rest_gains_back_the_catching_up() -> None
     state.catch_up_s = 0.030
     sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006)
     assert abs(sched.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
+
+
+def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> None:
+    """A drafter a prompt behind (100 ms owed, more than a 30 ms plain step) and 10 tokens to go: no
+    draft nor probe, generation after generation, until PROBE_EVERY_GENERATIONS of them drafted
+    nothing; then one probe, after PROBE_EVERY plain steps, puts the carried estimates to the test.
+    A generation that drafted starts the count again."""
+    sched = schedule(0.006, catch_up=0.001)
+    state = sched.proposers["slem"].drafter
+    state.behind, state.catch_up_s = 100, 0.100
+    steps = []
+    for generation in range(PROBE_EVERY_GENERATIONS + 2):
+        if generation:
+            sched.rebind(sched.proposers)
+        ms = []
+        for _ in range(PROBE_EVERY + 1):
+            plan = sched.plan(9)
+            ms.append(plan.m)
+            sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], plan.m * 0.006 + (0.100 if plan.m else 0.0))
+        steps.append(ms)
+    plain = [0] * (PROBE_EVERY + 1)
+    assert steps[:PROBE_EVERY_GENERATIONS] == [plain] * PROBE_EVERY_GENERATIONS
+    assert steps[PROBE_EVERY_GENERATIONS] == [0] * PROBE_EVERY + [1]
+    assert steps[PROBE_EVERY_GENERATIONS + 1] == plain
+    # The probe measured the catching up: 1 ms a position after 100 positions for 100 ms.
+    assert abs(sched.catch_up.value - 0.001) < 1e-12
 
 
 def test_costs_follow_what_rounds_measure() -> None:
