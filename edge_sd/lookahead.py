@@ -347,6 +347,7 @@ class CostSchedule:
             "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
             "catch_up_ms_per_position": round(1e3 * self.catch_up.value, 3),
             "held_back": self.held_back,
+            "idle_generations": self.idle_generations,  # before this one; a probe pays the debt from 4
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }

@@ -175,7 +175,7 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
     sched = schedule(0.006, catch_up=0.001)
     state = sched.proposers["slem"].drafter
     state.behind, state.catch_up_s = 100, 0.100
-    steps = []
+    steps, idle = [], []
     for generation in range(PROBE_EVERY_GENERATIONS + 2):
         if generation:
             sched.rebind(sched.proposers)
@@ -185,10 +185,12 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
             ms.append(plan.m)
             sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], plan.m * 0.006 + (0.100 if plan.m else 0.0))
         steps.append(ms)
+        idle.append(sched.summary()["idle_generations"])
     plain = [0] * (PROBE_EVERY + 1)
     assert steps[:PROBE_EVERY_GENERATIONS] == [plain] * PROBE_EVERY_GENERATIONS
     assert steps[PROBE_EVERY_GENERATIONS] == [0] * PROBE_EVERY + [1]
     assert steps[PROBE_EVERY_GENERATIONS + 1] == plain
+    assert idle == [*range(PROBE_EVERY_GENERATIONS + 1), 0]  # what the statistics report
     # The probe measured the catching up: 1 ms a position after 100 positions for 100 ms.
     assert abs(sched.catch_up.value - 0.001) < 1e-12
 
