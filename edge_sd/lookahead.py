@@ -249,7 +249,7 @@ class CostSchedule:
         drafted = any(key != "plain" for key in self.rounds)
         self.idle_generations = 0 if drafted else self.idle_generations + 1
         self.plain_streak = 0
-        self.rounds = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of this generation
+        self.rounds = {}
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
         self._behind = 0  # positions the planned draft's first drafter forward catches up
 
@@ -347,7 +347,7 @@ class CostSchedule:
             "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
             "catch_up_ms_per_position": round(1e3 * self.catch_up.value, 3),
             "held_back": self.held_back,
-            "idle_generations": self.idle_generations,  # before this one; a probe pays the debt from 4
+            "idle_generations": self.idle_generations,  # before this one (see PROBE_EVERY_GENERATIONS)
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }
