@@ -86,7 +86,7 @@ def test_engine_bench_against_onnxruntime_genai(tmp_path: Path) -> None:
         assert 0 < c["ms_forward_1"] and 0 <= c["ms_cut_back"] < c["ms_forward_1"], label
     # Same graph, greedy decoding: the fp32 target gives onnxruntime-genai's tokens on every prompt
     # (its kernels' paths differ by 1e-6 of the logit scale, which no argmax here is close to). Not
-    # asserted for the int8 drafter: its int8-activation kernels differ by 2e-2 between one-position
+    # asserted for the int4 drafter: its int8-activation kernels differ by 2e-2 between one-position
     # forwards and longer ones, and genai computes the first new token inside the prompt's forward.
     assert cases["target"]["genai_same_tokens"] == cases["target"]["prompts"]
     assert (out / "engines.png").read_bytes()[:4] == b"\x89PNG"

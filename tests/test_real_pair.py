@@ -1,4 +1,4 @@
-"""The real pair: Gemma-3-270M (fp32) target, SmolLM2-135M (int8) drafter, 262k vs 49k vocabularies,
+"""The real pair: Gemma-3-270M (fp32) target, SmolLM2-135M (int4) drafter, 262k vs 49k vocabularies,
 both exported through onnxruntime-genai's model builder.
 
 `scripts/test.sh` exports the pair into the cache (EDGE_SD_REAL_PAIR) and writes the fp32 Hugging Face
@@ -39,20 +39,22 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 ALGOS = ("slem", "tli", "slrs")
-# Acceptance floors: about two thirds of what these prompts measured (32 greedy tokens each, int8
+# Acceptance floors: about two thirds of what these prompts measured (32 greedy tokens each, int4
 # drafter, 2-core x86-64), so that another CPU's rounding cannot trip them while a broken map or sync
 # (an untrained drafter measured below 10% on the tiny pairs) still does. Measured at k=3 / 5: SLEM
-# 0.534 / 0.408, TLI 0.444 / 0.324, SLRS 0.469 / 0.339.
+# 0.457 / 0.329, TLI 0.389 / 0.280, SLRS 0.406 / 0.289 (the int8 drafter: 0.534 / 0.408, 0.444 / 0.324,
+# 0.469 / 0.339).
 ACCEPTANCE_FLOOR = {
-    ("slem", 3): 0.36, ("slem", 5): 0.27,
-    ("tli", 3): 0.30, ("tli", 5): 0.22,
-    ("slrs", 3): 0.31, ("slrs", 5): 0.23,
+    ("slem", 3): 0.30, ("slem", 5): 0.22,
+    ("tli", 3): 0.26, ("tli", 5): 0.19,
+    ("slrs", 3): 0.27, ("slrs", 5): 0.19,
 }
 # The target is exported in fp32: same graph as torch, differences from kernel order only.
 TARGET_RTOL = 1e-3
-# The drafter is int8 (weight-only, int8 activations): it need not match torch's fp32 drafter exactly,
-# only draft as well; its argmax agrees with fp32 on 96% of these prompts' positions (int4: 69%).
-DRAFTER_TOP1 = 0.9
+# The drafter is int4 (weight-only, int8 activations; the GGUF's 4-bit weights quantized a second
+# time): it need not match torch's fp32 drafter, only draft well enough to pay. Its argmax agrees with
+# fp32 on 48% of these short prompts' positions (int8: 96%); a broken export agrees on next to none.
+DRAFTER_TOP1 = 0.32
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def references(pipe):
 def test_manifests(pipe) -> None:
     t, d = pipe.target.manifest, pipe.drafter.manifest
     assert (t.precision, t.vocab_size, t.logits_width) == ("fp32", 262145, 262144)
-    assert d.precision == "int8" and d.vocab_size == 49152
+    assert d.precision == "int4" and d.vocab_size == 49152
     # Both through the model builder: fused attention with a shared KV buffer.
     assert (t.export_path, t.kv_layout, d.export_path, d.kv_layout) == ("builder", "shared", "builder", "shared")
     assert not pipe.same_vocab
@@ -104,7 +106,7 @@ def test_engines_match_transformers(pipe, role: str) -> None:
         assert worst <= TARGET_RTOL, f"target logits differ from torch by {worst:.2e} (relative)"
         assert min(agree) == 1.0
     else:
-        assert np.mean(agree) >= DRAFTER_TOP1, f"int8 drafter argmax agrees with fp32 torch on {np.mean(agree):.0%}"
+        assert np.mean(agree) >= DRAFTER_TOP1, f"int4 drafter argmax agrees with fp32 torch on {np.mean(agree):.0%}"
 
 
 def test_plain_decoding_is_the_reference(pipe, references) -> None:
