@@ -148,3 +148,11 @@ def test_export_pruned_pair_from_the_cli(tiny_root: Path, tmp_path: Path) -> Non
     r = run("generate", str(out), "-p", "The cat", "-n", "8", "-a", "rdk", "-k", "2", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["algorithm"] == "rdk"
+
+
+def test_help_shows_the_defaults_in_brackets() -> None:
+    """Help texts write defaults in square brackets, which rich markup would take for tags and drop."""
+    r = CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "[engines/<names>]" in r.output and "[same as --precision]" in r.output
+    r = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "[3 greedy, 1 sampling]" in r.output
