@@ -17,6 +17,7 @@ from rich.table import Table
 
 from edge_sd.errors import EdgeSDError, UsageError
 
+# Help texts write defaults as \[default]: rich markup would take a bare [default] for a tag and drop it.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
