@@ -163,7 +163,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk."),
     lookahead: Optional[int] = typer.Option(
-        None, "--lookahead", "-k", help="Drafted tokens per target forward \\[3 greedy, 1 sampling]; with the "
+        None, "--lookahead", "-k", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
         "cost schedule the longest draft \\[6]."),
     schedule: Optional[str] = typer.Option(
         None, "--lookahead-schedule", "-s", help="static | heuristic | confidence | cost | disco \\[cost with "

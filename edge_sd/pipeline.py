@@ -31,10 +31,11 @@ from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
-# Settled by the real-pair benchmark on the builder engines (README, "Measured"): greedy SLEM is fastest
-# at k=3 (1.22x plain decoding; SLRS and TLI at k=1-2), sampling TLI and SLRS at k=1 (0.94x: a
-# drafted token costs a quarter of a target step whether or not it is accepted).
-DEFAULT_LOOKAHEAD = {"greedy": 3, "sample": 1}
+# Settled by the real-pair benchmark on the default pair (int4 drafter; README, "Measured"): greedy
+# SLEM ran fastest at k=2 in each of its runs on the Zen 3 CPU (1.41x against k=3's 1.30x; 1.32x
+# against 1.25x), sampling at k=1 (SLRS k=1 0.97x against k=2's 0.93x over 32 held-out generations:
+# a drafted token that is rejected half the time barely pays for itself).
+DEFAULT_LOOKAHEAD = {"greedy": 2, "sample": 1}
 # The cost-aware schedule (auto) chooses each round's draft length in 0..this (or -k).
 DEFAULT_MAX_LOOKAHEAD = 6
 SCHEDULES = ("static", "heuristic", "confidence", "cost", "disco")

@@ -155,4 +155,4 @@ def test_help_shows_the_defaults_in_brackets() -> None:
     r = CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "[engines/<names>]" in r.output and "[same as --precision]" in r.output
     r = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
-    assert r.exit_code == 0 and "[3 greedy, 1 sampling]" in r.output
+    assert r.exit_code == 0 and "[2 greedy, 1 sampling]" in r.output
