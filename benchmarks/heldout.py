@@ -25,16 +25,12 @@ from pathlib import Path
 from edge_sd.bench.report import summarise, table
 
 
-def pooled(runs: list[Path], mode: str) -> dict:
+def pooled(results: list[dict], mode: str) -> dict:
     """The records of one mode from every run, each prompt id tagged with its run so that plain
     decoding of the same prompt under another seed is not taken for this one's. The saved records
     carry no token ids (greedy output checks need them): pool sampled runs only."""
-    records = []
-    for i, run in enumerate(runs):
-        for r in json.loads((run / "real_pair.json").read_text())["records"]:
-            if r["mode"] == mode:
-                records.append({**r, "prompt": f"{r['prompt']}#{i}", "token_ids": None})
-    return {"records": records}
+    return {"records": [{**r, "prompt": f"{r['prompt']}#{i}", "token_ids": None}
+                        for i, res in enumerate(results) for r in res["records"] if r["mode"] == mode]}
 
 
 def main(runs: list[Path]) -> None:
@@ -42,17 +38,16 @@ def main(runs: list[Path]) -> None:
     # Greedy output is the same under any seed: its rows come from the run's own summary, which
     # checked every output against plain decoding token for token.
     rows = [r for res in results for r in res["summary"] if r["mode"] == "greedy"]
-    sampled = [run for run, res in zip(runs, results, strict=True)
-               if any(r["mode"] == "sample" for r in res["records"])]
-    rows += summarise(pooled(sampled, "sample")) if sampled else []
+    rows += summarise(pooled(results, "sample"))
+    opts, machine = results[0]["options"], results[0]["machine"]
+    first, last = opts["skip"] + 1, opts["skip"] + opts["per_set"]
     lines = [
         f"Pooled from {len(runs)} `edge-sd bench` runs ({', '.join(r['date'] for r in results)}), commands in "
-        "`benchmarks/heldout.py`; prompts 5-12 of each set (held out from DISCO's calibration on 1-4), "
-        "48 new tokens. Speedup: median over (prompt, seed) of tok/s against plain decoding of the same "
-        "prompt and seed in the same run.",
+        f"`benchmarks/heldout.py`; prompts {first}-{last} of each set (held out from DISCO's calibration on "
+        f"1-{opts['skip']}), {opts['max_new_tokens']} new tokens. Speedup: median over (prompt, seed) of tok/s "
+        "against plain decoding of the same prompt and seed in the same run.",
         "",
-        f"Machine: {results[0]['machine']['cpu']}, {results[0]['machine']['cores']} cores, ONNX Runtime "
-        f"{results[0]['machine']['onnxruntime']}.",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, ONNX Runtime {machine['onnxruntime']}.",
     ]
     for mode, title in (("greedy", "Greedy (temperature 0)"), ("sample", "Sampling (temperature 1)")):
         mode_rows = [r for r in rows if r["mode"] == mode]
