@@ -51,7 +51,9 @@ def export(
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Artifact folder \\[engines/<names>]."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for the target."),
     drafter_tokenizer: Optional[str] = typer.Option(None, "--drafter-tokenizer", help="... for the drafter."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | fp16 | int8 | int4."),
+    precision: str = typer.Option(
+        "auto", "--precision", help="auto | gguf | fp32 | fp16 | int8 | int4. gguf: a GGUF file's own quantized "
+        "weights, exactly (auto for GGUF sources; fp32 for the rest)."),
     drafter_precision: Optional[str] = typer.Option(
         None, "--drafter-precision", help="The drafter's precision \\[same as --precision]: a cheaper drafter "
         "costs no accuracy, the target alone decides the output (int4 drafted fastest on the CPUs measured)."),
@@ -159,7 +161,8 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same output."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable): the text ends before it."),
+    include_stop: bool = typer.Option(False, "--include-stop", help="Keep the stop string in the text."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk."),
     lookahead: Optional[int] = typer.Option(
@@ -191,7 +194,8 @@ def generate(
         text = _read_prompt(prompt, prompt_file)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=tuple(stop), chat=chat, algorithm=algorithm, lookahead=lookahead, schedule=schedule,
+            seed=seed, stop=tuple(stop), include_stop=include_stop, chat=chat, algorithm=algorithm,
+            lookahead=lookahead, schedule=schedule,
         )
         cfg.check()
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)

@@ -22,7 +22,8 @@ PAIR_FILE = "pair.json"
 # `kv_layout` and `min_step_positions`: a version-1 reader would drive a shared-buffer graph wrongly.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 files are concat-layout engines, one position per step
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
+# gguf: a GGUF file's own quantized weights, exactly (export/gguf_graph.py).
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
 # How the KV cache is passed (README, "The manifest contract"):
 #   concat: `present` = past + new positions, a fresh tensor each call (optimum's exports);
 #   shared: one buffer per layer, bound as both past and present; a call writes only its new
@@ -91,6 +92,9 @@ class EngineManifest:
     kept_ids_file: str | None = None
     files: list[FileEntry] = field(default_factory=list)
     validation: dict[str, Any] = field(default_factory=dict)
+    # How the weights were quantized, where the export did more than name a precision: for gguf, the
+    # weights carried from the file by GGML type and how they were checked (export/gguf_graph.py).
+    quantization: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,10 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # The text ends where the first stop string begins (the ids keep the token that completed it);
+    # include_stop keeps the stop string in the text.
     stop: tuple[str, ...] = ()
+    include_stop: bool = False
     chat: bool = False
     algorithm: str = "auto"
     # static / heuristic: the (first) draft length [DEFAULT_LOOKAHEAD]; cost: the longest draft
@@ -378,7 +381,8 @@ class Pipeline:
             state.engine.reserve(len(d_ids) + 2 * (cfg.max_new_tokens + k) + 1)
         stats = Stats(algorithm=algo, lookahead=k if proposers else 0)
         decoder = Decoder(self.target.engine, sampling, rng, schedule, state)
-        stream = TextStream(self.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop))
+        stream = TextStream(self.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop),
+                            cfg.include_stop)
         pieces = []
         for event in decoder.run(ids, stream, stats):
             pieces.append(event.text)

@@ -6,13 +6,15 @@ decoded (a round may accept several tokens; whatever stop comes first among them
 that of Hugging Face's stopping criteria plus its text streamer, or onnxruntime-genai's tokenizer stream:
 
 - EOS ends the output before it (EOS itself is not part of the output);
-- a stop string ends it after the token that completes it (as plain decoding would have generated that
-  token); the stop string stays in the text, so that the text is always the decoding of the ids;
+- a stop string ends it after the token that completes it (plain decoding generated that token, so
+  the ids keep it); the text ends where the stop string begins, as OpenAI's API, vLLM and llama.cpp's
+  server return it (`include_stop` keeps the stop string, and nothing of the token after it);
 - text is handed out only where it can no longer change: bytes that may still become a stop string are
   held back, and so is a character whose UTF-8 bytes are not complete yet; `finish` hands out the rest
   (an incomplete character at the very end becomes U+FFFD, as in `bytes.decode(errors="replace")`).
 
-So `"".join(pieces) == vocab.ids_bytes(ids).decode("utf-8", errors="replace")` for every generation.
+So the pieces always add up to the text, and the text is the decoding of the ids' bytes cut at the
+stop string: `vocab.ids_bytes(ids)[:text_bytes].decode("utf-8", errors="replace")`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from edge_sd.vocab import Vocab
 
 
 class TextStream:
-    def __init__(self, vocab: Vocab, max_new_tokens: int, stops: tuple[bytes, ...] = ()):
+    def __init__(self, vocab: Vocab, max_new_tokens: int, stops: tuple[bytes, ...] = (),
+                 include_stop: bool = False):
         self.vocab = vocab
+        self.include_stop = include_stop
         self.max_new_tokens = max_new_tokens
         self.stops = tuple(s for s in stops if s)
         self.eos = set(vocab.eos_ids)
@@ -33,6 +37,7 @@ class TextStream:
         self.reason = ""  # why the output ended: eos | stop | max_new_tokens | context ("" while going)
         self._longest_stop = max((len(s) for s in self.stops), default=0)
         self._handed = 0  # bytes of `generated` passed to the decoder
+        self.text_bytes: int | None = None  # where the text ends in `generated` (None: at its end)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
@@ -69,15 +74,22 @@ class TextStream:
         return self._text()
 
     def _stop_in(self, before: int) -> bool:
-        """Whether the bytes added after `before` complete a stop string."""
+        """Whether the bytes added after `before` complete a stop string; if so, the text ends where the
+        first of them begins (or ends, with include_stop)."""
         since = max(0, before - self._longest_stop + 1)
-        return any(self.generated.find(s, since) >= 0 for s in self.stops)
+        found = [(at, at + len(s)) for s in self.stops if (at := self.generated.find(s, since)) >= 0]
+        if found:
+            start, end = min(found)
+            self.text_bytes = end if self.include_stop else start
+        return bool(found)
 
     def _text(self) -> str:
         # While going, hold back what may still be the start of a stop string; the decoder itself
         # holds back an incomplete character until its last byte arrives (or the end).
-        upto = len(self.generated) if self.reason else max(self._handed,
-                                                           len(self.generated) - max(0, self._longest_stop - 1))
+        if self.reason:
+            upto = len(self.generated) if self.text_bytes is None else self.text_bytes
+        else:
+            upto = max(self._handed, len(self.generated) - max(0, self._longest_stop - 1))
         chunk = self.generated[self._handed : upto]
         self._handed = upto
         return self._decoder.decode(chunk, final=bool(self.reason))

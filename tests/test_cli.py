@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edge_sd.cli import app
+from edge_sd.vocab import Vocab
 
 
 def run(*args: str, input: str | None = None):
@@ -48,9 +49,10 @@ def test_generate_chat_and_stop(tiny_root: Path) -> None:
             "--stop", ".", "--json")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout.strip().splitlines()[-1])
-    # The output ends with the token that completes the stop string (text == decoding of the ids).
-    assert obj["stats"]["stop_reason"] == "stop" and obj["text"].count(".") == 1
-    assert obj["text"].rstrip().endswith(".") or "." in obj["text"][-8:]
+    # The ids end with the token that completes the stop string; the text ends before the stop string.
+    full = Vocab.from_file(tiny_root / "pairs" / "llama_qwen" / "target" / "tokenizer.json").ids_bytes(obj["token_ids"])
+    assert obj["stats"]["stop_reason"] == "stop" and full.count(b".") == 1
+    assert obj["text"] == full[: full.index(b".")].decode("utf-8", "replace")
 
 
 def test_same_seed_same_output(tiny_root: Path) -> None:

@@ -251,3 +251,52 @@ def test_pair_with_pruned_quantized_drafter(tiny_root: Path, tmp_path: Path) -> 
         for algo in ("slem", "tli", "slrs", "rdk"):
             spec = pipe.generate(prompt, GenerationConfig(max_new_tokens=16, algorithm=algo, lookahead=3))
             assert spec.token_ids == plain, (algo, prompt)
+
+
+def test_head_size_the_builder_cannot_run(tiny_root: Path, tmp_path: Path) -> None:
+    """A Qwen2 with head size 8: ONNX Runtime's GroupQueryAttention takes multiples of 16 only. auto
+    exports it through optimum (a working engine), an explicit --exporter builder is refused with the
+    constraint named."""
+    from edge_sd.errors import UsageError
+    from edge_sd.export.hf import ExportOptions, export_engine
+
+    import tiny
+
+    hf = tiny.build_model(tmp_path / "hf", tiny.train_byte_level(300), "qwen2", seed=7, steps=20, hidden_size=32)
+    assert json.loads((hf / "config.json").read_text())["hidden_size"] // 4 == 8
+    m = export_engine(str(hf), _empty(tmp_path / "auto"), ExportOptions())
+    assert m.export_path == "optimum" and m.head_dim == 8 and m.validation["top1_agreement_vs_torch"] == 1.0
+    with pytest.raises(UsageError, match="head size is 8.*multiples of 16"):
+        export_engine(str(hf), _empty(tmp_path / "builder"), ExportOptions(exporter="builder"))
+
+
+def test_auto_falls_back_to_optimum_when_the_builder_fails(tiny_root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Where the builder's engine cannot be built or does not validate, auto exports through optimum
+    (and says so); an explicit --exporter builder fails."""
+    from edge_sd.errors import ExportError
+    from edge_sd.export import builder
+    from edge_sd.export.hf import ExportOptions, export_engine
+
+    def broken(*args, **kwargs):
+        raise ExportError("the model builder could not build it: simulated")
+
+    monkeypatch.setattr(builder, "build", broken)
+    said: list[str] = []
+
+    def step(name: str):
+        from contextlib import nullcontext
+
+        said.append(name)
+        return nullcontext()
+
+    m = export_engine(str(tiny_root / "hf" / "bl_llama"), _empty(tmp_path / "auto"), ExportOptions(), step=step)
+    assert m.export_path == "optimum" and m.validation["top1_agreement_vs_torch"] == 1.0
+    assert any("exporting with optimum instead" in s and "simulated" in s for s in said)
+    with pytest.raises(ExportError, match="simulated"):
+        export_engine(str(tiny_root / "hf" / "bl_llama"), _empty(tmp_path / "builder"),
+                      ExportOptions(exporter="builder"))
+
+
+def _empty(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    return folder

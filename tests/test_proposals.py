@@ -66,8 +66,9 @@ def decode(ids: list[int]) -> str:
     return TEXT.ids_bytes(ids).decode("utf-8", errors="replace")
 
 
-def run_stream(rounds: list[list[int]], max_new: int = 50, stops: tuple[bytes, ...] = ()) -> tuple:
-    s = TextStream(TEXT, max_new, stops)
+def run_stream(rounds: list[list[int]], max_new: int = 50, stops: tuple[bytes, ...] = (),
+               include_stop: bool = False) -> tuple:
+    s = TextStream(TEXT, max_new, stops, include_stop)
     pieces = []
     for r in rounds:
         _, text = s.push(r)
@@ -97,18 +98,33 @@ def test_held_back_text_is_handed_out_at_every_end() -> None:
 def test_stop_string_before_eos_in_one_round() -> None:
     """A round whose tokens complete a stop string and then reach EOS stops at the stop string."""
     ids, text, reason, _ = run_stream([[A, B, SP, 0]], stops=(b"b ",))
-    assert (ids, text, reason) == ([A, B, SP], "ab ", "stop")
+    assert (ids, text, reason) == ([A, B, SP], "a", "stop")
     ids, text, reason, _ = run_stream([[A, 0, B, SP]], stops=(b"b ",))  # EOS first: EOS wins
     assert (ids, text, reason) == ([A], "a", "eos")
 
 
 def test_stop_string_spanning_rounds() -> None:
     ids, text, reason, pieces = run_stream([[A, B], [SP], [AB, SPB]], stops=(b"b b",))
-    assert (ids, text, reason) == ([A, B, SP, AB, SPB], "ab ab b", "stop")
-    assert "".join(pieces) == decode(ids)
-    # The token that completes it is kept whole (plain decoding generated it), later ones are not.
+    assert (ids, text, reason) == ([A, B, SP, AB, SPB], "ab a", "stop")
+    assert "".join(pieces) == text
+    # The ids keep the token that completes it (plain decoding generated it), not the ones after it;
+    # the text ends before the stop string, or with it (include_stop), never past it.
     ids, text, reason, _ = run_stream([[A], [SPB, A, B]], stops=(b" ",))
+    assert (ids, text, reason) == ([A, SPB], "a", "stop")
+    ids, text, reason, pieces = run_stream([[A], [SPB, A, B]], stops=(b" ",), include_stop=True)
+    assert (ids, text, reason, "".join(pieces)) == ([A, SPB], "a ", "stop", "a ")
+
+
+def test_stop_string_cuts_the_text_before_it() -> None:
+    """The convention of OpenAI's API, vLLM and llama.cpp's server: text up to the stop string, even
+    where the token that completed it runs on past it ("a p" completed by "po" of "positive")."""
+    ids, text, reason, pieces = run_stream([[A], [SP], [B, AB]], stops=(b"a b",))
+    assert (ids, text, reason) == ([A, SP, B], "", "stop") and pieces == ["", "", "", ""]
+    ids, text, reason, _ = run_stream([[A, SPB, B]], stops=(b"a b",), include_stop=True)
     assert (ids, text, reason) == ([A, SPB], "a b", "stop")
+    # The earliest of two stop strings completed by one token wins; the text before it is whole.
+    ids, text, reason, _ = run_stream([[A, B, SPB, A]], stops=(b" b", b"b b"))
+    assert (ids, text, reason) == ([A, B, SPB], "a", "stop")
 
 
 # --- proposals: TLI's restricted q, SLRS's psi and its chain ---------------------------------------

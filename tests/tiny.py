@@ -90,14 +90,16 @@ def train_sentencepiece_style(vocab_size: int, prefix_space: bool):
     return tok
 
 
-def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150, add_bos: bool = True) -> Path:
-    """Train a tiny causal LM of architecture `arch` on the corpus and save it as an HF folder."""
+def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150, add_bos: bool = True,
+                **config: int) -> Path:
+    """Train a tiny causal LM of architecture `arch` on the corpus and save it as an HF folder
+    (config: fields that replace the tiny defaults, such as hidden_size)."""
     import torch
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    model = _make(arch, vocab)
+    model = _make(arch, vocab, **config)
     ids: list[int] = []
     for line in corpus():
         ids += tokenizer.encode(line + "\n", add_special_tokens=False).ids
@@ -132,7 +134,7 @@ def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150,
     return folder
 
 
-def _make(arch: str, vocab: int):
+def _make(arch: str, vocab: int, **config: int):
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -144,7 +146,7 @@ def _make(arch: str, vocab: int):
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
-                  bos_token_id=2, eos_token_id=1, pad_token_id=0)
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0) | config
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
     if arch == "qwen2":
@@ -179,3 +181,105 @@ def pad_vocabulary(src: Path, dest: Path, extra: int) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, dest / f.name)
     return dest
+
+
+# --- tiny GGUF files ------------------------------------------------------------------------------
+
+# HF parameter name pieces -> GGUF tensor names (llama.cpp's naming for llama and qwen2).
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+
+
+def quantize_q6_k(w):
+    """A plain Q6_K quantizer (scales from each 16-block's largest magnitude): valid blocks close to w."""
+    import numpy as np
+
+    blocks = w.astype(np.float32).reshape(-1, 16, 16)  # [super-blocks, 16 blocks, 16 weights]
+    scale = np.abs(blocks).max(axis=-1) / 31  # [n, 16]
+    d = (scale.max(axis=-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)  # [n, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.round(scale / d), 0).clip(-128, 127).astype(np.int8)
+        step = d * sc.astype(np.float32)
+        q = np.where(step[..., None] > 0, np.round(blocks / step[..., None]), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    n = len(q)
+    low, high = (q & 0x0F).reshape(n, 2, 2, 64), (q >> 4).reshape(n, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+    raw = np.concatenate([ql, qh, sc.view(np.uint8), d.astype(np.float16).view(np.uint8)], axis=1)
+    return raw.reshape(w.shape[0], -1)
+
+
+def random_blocks(w, kind: str):
+    """IQ4_NL blocks of random indices and small scales: a valid tensor of a type no quantizer here
+    writes (for refusals, not for quality)."""
+    import numpy as np
+
+    assert kind == "IQ4_NL"
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(w.size // 32, 18), dtype=np.uint8)
+    raw[:, :2] = np.full(len(raw), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_gguf(hf: Path, path: Path, types: dict[str, str]) -> Path:
+    """The llama or qwen2 model of an HF folder as a GGUF file: each weight matrix in the GGML type of
+    the first pattern of `types` (fnmatch on GGUF names) it matches, else F32; norms and biases F32.
+    Llama's q and k rows are permuted as llama.cpp's converter permutes them (transformers undoes it)."""
+    import fnmatch
+
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    cfg = model.config
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.numpy().astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        gname = gguf_name(name)
+        kind = next((t for p, t in types.items() if fnmatch.fnmatch(gname, p)), "F32") if w.ndim == 2 else "F32"
+        if kind == "F32":
+            writer.add_tensor(gname, np.ascontiguousarray(w))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            raw = quantize_q6_k(w) if kind == "Q6_K" else random_blocks(w, kind) if kind == "IQ4_NL" \
+                else gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gname, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

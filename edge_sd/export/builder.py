@@ -36,9 +36,20 @@ KEEP = ("model.onnx", "model.onnx.data", "genai_config.json")
 ACCURACY_LEVEL = 4
 
 
+# ONNX Runtime's GroupQueryAttention, the builder's attention op, takes head sizes that are a multiple
+# of this (its kernels refuse others when the graph first runs).
+GQA_HEAD_MULTIPLE = 16
+
+
 def unsupported_reason(config: dict) -> str | None:
-    """Why the builder would build this model wrongly, or None. Its Gemma-3 code hard-codes the
-    released models' layer pattern (five sliding-window layers, then one full-attention layer)."""
+    """Why the builder would build this model wrongly or unrunnably, or None. Its attention op needs a
+    head size that is a multiple of 16; its Gemma-3 code hard-codes the released models' layer pattern
+    (five sliding-window layers, then one full-attention layer)."""
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    if head_dim % GQA_HEAD_MULTIPLE:
+        return (f"its head size is {head_dim}, and ONNX Runtime's GroupQueryAttention (the builder's attention) "
+                f"takes only multiples of {GQA_HEAD_MULTIPLE}")
     types = config.get("layer_types")
     if config.get("model_type") == "gemma3_text" and types:
         expected = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(types))]

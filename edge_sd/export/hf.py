@@ -11,7 +11,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ TASK = "text-generation-with-past"
 # End-of-turn markers of common chat formats: generation stops at them as at EOS when they exist.
 CHAT_END_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 # Precisions each export path implements; the rest are accepted names that error clearly.
-SUPPORTED_PRECISIONS = {"builder": ("fp32", "fp16", "int8", "int4"), "optimum": ("fp32", "int8", "int4")}
+SUPPORTED_PRECISIONS = {"builder": ("fp32", "fp16", "int8", "int4", "gguf"),
+                        "optimum": ("fp32", "int8", "int4", "gguf")}
 EXPORTERS = ("auto", "builder", "optimum")
 
 Step = Callable[[str], Any]  # a progress callback: returns a context manager for one named step
@@ -40,7 +41,8 @@ Step = Callable[[str], Any]  # a progress callback: returns a context manager fo
 
 @dataclass(frozen=True)
 class ExportOptions:
-    precision: str = "fp32"
+    # auto: gguf (the file's own quantized weights) for a GGUF source, fp32 for the rest
+    precision: str = "auto"
     max_context: int | None = None
     validate: bool = True
     opset: int | None = None
@@ -51,6 +53,18 @@ class ExportOptions:
     # shared KV buffer per layer), optimum's generic export for the rest.
     exporter: str = "auto"
     device: str = "cpu"  # what the builder's graph is made for: cpu, or cuda (fp16 / int4)
+
+
+def resolve_precision(precision: str, src: str) -> str:
+    """`auto` -> gguf for a GGUF file, fp32 otherwise; gguf only for a GGUF file."""
+    gguf = src.lower().endswith(".gguf")
+    if precision == "auto":
+        return "gguf" if gguf else "fp32"
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}; choose auto or one of {', '.join(PRECISIONS)}")
+    if precision == "gguf" and not gguf:
+        raise UsageError(f"precision gguf keeps a GGUF file's quantized weights; {src} is not a .gguf file")
+    return precision
 
 
 def _null_step(name: str) -> Any:
@@ -92,11 +106,15 @@ def resolve_source(src: str, workdir: Path, step: Step) -> tuple[str, Any]:
                 model = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, dtype="float32"
                 )
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             except Exception as e:
                 raise ExportError(f"could not load GGUF {src}: {_short(e)}") from None
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except Exception:
+                tok = None  # a file without a usable tokenizer still exports with --tokenizer
             model.save_pretrained(hf_dir)
-            tok.save_pretrained(hf_dir)
+            if tok is not None:
+                tok.save_pretrained(hf_dir)
         return str(hf_dir), tok
     if path.exists() and not path.is_dir():
         raise UsageError(f"{src} is a file but not a .gguf; pass a GGUF file, an HF folder or a model id")
@@ -197,8 +215,7 @@ def export_engine(
     name: str | None = None,
 ) -> EngineManifest:
     """Export one model into `dest` (an existing, empty folder) and validate it."""
-    if opts.precision not in PRECISIONS:
-        raise UsageError(f"unknown precision {opts.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    opts = replace(opts, precision=resolve_precision(opts.precision, src))
     _quiet()
     from transformers import AutoConfig, GenerationConfig
 
@@ -218,31 +235,85 @@ def export_engine(
         if opts.precision not in SUPPORTED_PRECISIONS[path]:
             raise UsageError(f"precision {opts.precision} is not available on the {path} path; use one of "
                              f"{', '.join(SUPPORTED_PRECISIONS[path])}")
-        if path == "builder":
-            from edge_sd.export.builder import build
-
-            with step(f"build {source_name(src)} with the model builder ({opts.precision}, {opts.device})"):
-                build(hf_src, dest / TOKENIZER_FILE, dest, opts.precision, opts.device, workdir)
-        else:
-            if opts.device != "cpu":
-                raise UsageError("--device cuda needs the builder path (--exporter builder)")
-            _optimum_export(src, hf_src, dest, workdir, opts, step)
-        add_logits_to_keep(dest / "model.onnx")  # a prefill then computes the LM head once, not per position
-        float32_logits(dest / "model.onnx")
-        manifest = _manifest(src, dest, config, gen, tok, tj, opts, name or source_name(src), tokenizer, path)
-        save(manifest, dest)
-        if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
-            # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU
-            # kernel, so it can only be run where CUDA is: the folder is written, marked not validated.
-            with step("not validated: a graph for CUDA, and this onnxruntime has no CUDA provider"):
+        # auto falls back to optimum where the builder cannot make an engine that validates (a model
+        # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
+        fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
+                    and opts.precision in SUPPORTED_PRECISIONS["optimum"])
+        job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer)
+        try:
+            return _export_path(job, path)
+        except ExportError as e:
+            if not fallback:
+                raise
+            for f in dest.iterdir():
+                if f.name != TOKENIZER_FILE:
+                    shutil.rmtree(f) if f.is_dir() else f.unlink()
+            with step(f"the model builder's engine failed ({e}); exporting with optimum instead"):
                 pass
-        elif opts.validate:
-            with step(f"validate against torch (subprocess, {opts.device})"):
-                figures = run_validation(dest, hf_src, opts.precision, opts.drafter, opts.device)
-            manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
-                                         "min_step_positions": figures["min_step_positions"]})
-            save(manifest, dest)
-        return manifest
+            return _export_path(job, "optimum")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one engine's export reads, whichever path builds it."""
+
+    src: str
+    hf_src: str
+    dest: Path
+    workdir: Path
+    opts: ExportOptions
+    step: Step
+    config: Any
+    gen: Any
+    tok: Any
+    tj: dict
+    name: str
+    tokenizer: str | None
+
+
+def _export_path(job: _Job, path: str) -> EngineManifest:
+    """Build the engine through one export path, write its manifest and validate it."""
+    src, hf_src, dest, opts, step = job.src, job.hf_src, job.dest, job.opts, job.step
+    gguf = opts.precision == "gguf"
+    if gguf and opts.device != "cpu":
+        raise UsageError("precision gguf makes CPU graphs (MatMulNBits with int8 activations); use --device cpu")
+    # gguf: an fp32 graph first (the file dequantized), whose weights are then swapped for the file's
+    # own blocks.
+    build_opts = replace(opts, precision="fp32") if gguf else opts
+    if path == "builder":
+        from edge_sd.export.builder import build
+
+        with step(f"build {source_name(src)} with the model builder ({build_opts.precision}, {opts.device})"):
+            build(hf_src, dest / TOKENIZER_FILE, dest, build_opts.precision, opts.device, job.workdir)
+    else:
+        if opts.device != "cpu":
+            raise UsageError("--device cuda needs the builder path (--exporter builder)")
+        _optimum_export(src, hf_src, dest, job.workdir, build_opts, step)
+    add_logits_to_keep(dest / "model.onnx")  # a prefill then computes the LM head once, not per position
+    float32_logits(dest / "model.onnx")
+    quantization: dict = {}
+    if gguf:  # after logits_to_keep: an LM head's offset correction then sums the kept positions only
+        from edge_sd.export.builder import ACCURACY_LEVEL
+        from edge_sd.export.gguf_graph import requantize
+
+        with step(f"carry {Path(src).name}'s quantized weights into the graph (exactly)"):
+            quantization = {"source": "gguf", "accuracy_level": ACCURACY_LEVEL,
+                            **requantize(dest / "model.onnx", Path(src), ACCURACY_LEVEL)}
+    manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path)
+    manifest = replace(manifest, quantization=quantization)
+    save(manifest, dest)
+    if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
+        # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU
+        # kernel, so it can only be run where CUDA is: the folder is written, marked not validated.
+        with step("not validated: a graph for CUDA, and this onnxruntime has no CUDA provider"):
+            pass
+    elif opts.validate:
+        with step(f"validate against torch (subprocess, {opts.device})"):
+            figures = run_validation(dest, hf_src, opts.precision, opts.drafter, opts.device)
+        manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
+                                     "min_step_positions": figures["min_step_positions"]})
+        save(manifest, dest)
+    return manifest
 
 
 def _optimum_export(src: str, hf_src: str, dest: Path, workdir: Path, opts: ExportOptions, step: Step) -> None:

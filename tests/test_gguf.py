@@ -1,0 +1,190 @@
+"""Export with a GGUF file's own quantized weights (precision gguf): tiny models written as GGUF files
+here, in a mix of GGML types, exported through the model builder.
+
+What is checked: every MatMul of the graph computes with the file's blocks (none left in float), the
+weights ONNX Runtime computes with equal transformers' dequantization of the file bit for bit
+(MatMulNBits run at accuracy level 0 on an identity matrix, the offset correction included), the
+token embedding too, speculative decoding on such a pair equals plain decoding, and a type that cannot
+be carried exactly is refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiny
+
+pytestmark = pytest.mark.slow
+
+# Dimensions: K-quants need rows that are multiples of 256; no dimension equals the vocabulary size
+# (the model builder confuses an MLP as wide as the vocabulary with the LM head).
+DIMS = {"hidden_size": 256, "intermediate_size": 768}
+# A fused q/k/v of three storages (8-bit blocks of 32 with zero points 16 and 128, 8-bit blocks of 16),
+# 4-bit blocks, offsets in 4 and 8 bits, and an untied output; the tied model's embedding has offsets.
+LLAMA_TYPES = {"*attn_q.*": "Q5_0", "*attn_k.*": "Q6_K", "*attn_v.*": "Q8_0", "*attn_output*": "Q4_0",
+               "*ffn_gate*": "Q4_1", "*ffn_up*": "Q5_1", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0",
+               "output.weight": "Q8_0"}
+QWEN_TYPES = {"*attn_q.*": "Q4_0", "*attn_k.*": "Q4_0", "*attn_v.*": "Q6_K", "*attn_output*": "Q8_0",
+              "*ffn_gate*": "Q5_0", "*ffn_up*": "Q5_0", "*ffn_down*": "Q4_1", "token_embd*": "Q4_1"}
+PROMPTS = ["The cat", "def add(a, b):", "A small robot reads", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def gguf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GGUF files of a tiny Llama (target) and Qwen2 (drafter), and their pair exported as gguf."""
+    from edge_sd.export.hf import ExportOptions
+    from edge_sd.export.pair import export
+
+    cache = os.environ.get("EDGE_SD_TEST_CACHE")
+    root = Path(cache) / "gguf" if cache else tmp_path_factory.mktemp("gguf")
+    if (root / "done").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for name, arch, tok, types, seed in (("llama", "llama", tiny.train_byte_level(512), LLAMA_TYPES, 21),
+                                         ("qwen", "qwen2", tiny.train_byte_level(384, seed_lines=50), QWEN_TYPES, 22)):
+        hf = tiny.build_model(root / f"hf_{name}", tok, arch, seed=seed, steps=100, **DIMS)
+        tok.save(str(root / f"{name}.tokenizer.json"))
+        tiny.write_gguf(hf, root / f"{name}.gguf", types)
+    export(str(root / "llama.gguf"), str(root / "qwen.gguf"), root / "pair", ExportOptions(),
+           tokenizer=str(root / "llama.tokenizer.json"), drafter_tokenizer=str(root / "qwen.tokenizer.json"))
+    (root / "done").touch()
+    return root
+
+
+def _subgraph(model, inputs: list[str], output: str):
+    """The nodes that compute `output` from `inputs` (and initializers), as a model of their own, with
+    MatMulNBits at accuracy level 0 (weights dequantized to float: no activation rounding)."""
+    import onnx
+    from onnx import helper
+
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {i.name: i for i in g.initializer}
+    nodes, todo, seen = [], [output], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in inputs or name in inits or name not in producer:
+            continue
+        seen.add(name)
+        node = producer[name]
+        if node not in nodes:
+            nodes.append(node)
+            todo.extend(node.input)
+    nodes.sort(key=lambda n: list(g.node).index(n))
+    used = {i for n in nodes for i in n.input}
+    copies = []
+    for n in nodes:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        for a in c.attribute:
+            if c.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                a.i = 0
+        copies.append(c)
+    types = {"input_ids": onnx.TensorProto.INT64}
+    graph = helper.make_graph(
+        copies, "sub", [helper.make_tensor_value_info(i, types.get(i, onnx.TensorProto.FLOAT), None) for i in inputs],
+        [helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)], [inits[n] for n in used if n in inits])
+    return helper.make_model(graph, opset_imports=list(model.opset_import))
+
+
+def _run(model, feeds: dict) -> np.ndarray:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str) -> None:
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edge_sd.manifest import load_engine_manifest
+
+    folder = gguf_root / "pair" / role
+    m = load_engine_manifest(folder)
+    q = m.quantization
+    assert m.precision == "gguf" and m.export_path == "builder"
+    assert q["float_matmuls"] == 0 and q["quantized_matmuls"] > 0
+    types = LLAMA_TYPES if role == "target" else QWEN_TYPES
+    assert set(q["weights_by_type"]) == set(types.values())
+    assert m.validation["max_rel_diff_vs_torch"] <= m.validation["tolerance_vs_torch"]
+    assert m.validation["max_rel_diff_steps_vs_forward"] <= m.validation["tolerance_cache"]
+
+    model = onnx.load(str(folder / "model.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    inits = {i.name for i in model.graph.initializer}
+    # No MatMul is left with a float weight: the only float MatMuls are the offset corrections.
+    assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+                and not n.input[1].endswith("_offsets")]
+    assert ops.count("MatMulNBits") == q["quantized_matmuls"] and "GatherBlockQuantized" in ops
+
+    name = "llama" if role == "target" else "qwen"
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf_root), gguf_file=f"{name}.gguf", dtype=torch.float32)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    names = {n.name: n for n in model.graph.node}
+    checked = 0
+    for node in [n for n in model.graph.node if n.op_type == "MatMulNBits"]:
+        matmul = node.name.rsplit("_Q", 1)[0]  # the builder's MatMul it replaced: /model/layers.0/attn/qkv_proj/MatMul
+        path = matmul.replace("/MatMul", "")
+        if path == "/lm_head":
+            expected = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        else:
+            layer, proj = path.split("/")[2].split(".")[1], path.rsplit("/", 1)[-1]
+            group = "self_attn" if "/attn/" in path else "mlp"
+            parts = ["q_proj", "k_proj", "v_proj"] if proj == "qkv_proj" else [proj]
+            expected = np.concatenate([sd[f"model.layers.{layer}.{group}.{p}.weight"] for p in parts])
+        # The weights are what the node computes with, plus the offset correction where there is one.
+        out = names[f"{matmul}/add_offsets"].output[0] if f"{matmul}/add_offsets" in names else node.output[0]
+        eye = np.eye(expected.shape[1], dtype=np.float32)[None]
+        got = _run(_subgraph(model, [node.input[0]], out), {node.input[0]: eye})[0]
+        np.testing.assert_array_equal(got.T, expected, err_msg=node.name)  # bit for bit
+        checked += 1
+    assert checked == q["quantized_matmuls"]
+    # The token embedding: every row of the table, read through GatherBlockQuantized.
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    out = gather.output[0]
+    offsets = [n for n in model.graph.node if out in n.input and n.name.endswith("_offset_rows/Add")]
+    out = offsets[0].output[0] if offsets else out  # the tied Q4_1 table: plus each block's minimum
+    assert bool(offsets) == (role == "drafter")
+    vocab = sd["model.embed_tokens.weight"].shape[0]
+    rows = _run(_subgraph(model, ["input_ids"], out), {"input_ids": np.arange(vocab, dtype=np.int64)[None]})[0]
+    np.testing.assert_array_equal(rows, sd["model.embed_tokens.weight"])
+
+
+def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path) -> None:
+    from edge_sd import GenerationConfig, Pipeline
+
+    pipe = Pipeline.from_folder(gguf_root / "pair", provider="cpu", threads=2)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = pipe.generate(prompt, GenerationConfig(algorithm="ar", max_new_tokens=24))
+        for algo in ("slem", "tli", "slrs", "auto"):
+            r = pipe.generate(prompt, GenerationConfig(algorithm=algo, lookahead=3, max_new_tokens=24))
+            assert r.token_ids == plain.token_ids, (algo, prompt)
+            accepted += r.stats.accepted
+    assert accepted > 0  # the drafter's proposals were verified, not only skipped
+
+
+def test_a_type_that_cannot_be_carried_is_refused_by_name(gguf_root: Path, tmp_path: Path) -> None:
+    """IQ4_NL (a non-uniform grid, no scale-times-integer form): gguf refuses it naming the tensor;
+    fp32 (dequantized) exports the same file."""
+    from edge_sd.errors import UsageError
+    from edge_sd.export.hf import ExportOptions, export_engine
+
+    path = tiny.write_gguf(gguf_root / "hf_llama", tmp_path / "iq.gguf", {**LLAMA_TYPES, "*ffn_up*": "IQ4_NL"})
+    tok = str(gguf_root / "llama.tokenizer.json")
+    (tmp_path / "a").mkdir()
+    with pytest.raises(UsageError, match=r"blk\.0\.ffn_up\.weight is IQ4_NL.*--precision fp32"):
+        export_engine(str(path), tmp_path / "a", ExportOptions(), tokenizer=tok)
+    (tmp_path / "b").mkdir()
+    m = export_engine(str(path), tmp_path / "b", ExportOptions(precision="fp32"), tokenizer=tok)
+    assert m.precision == "fp32" and m.validation["top1_agreement_vs_torch"] == 1.0
