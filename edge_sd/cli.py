@@ -164,7 +164,8 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable): the text ends before it."),
     include_stop: bool = typer.Option(False, "--include-stop", help="Keep the stop string in the text."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
-    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk|lookup "
+                                  "(lookup: drafts from the text itself, no drafter needed)."),
     lookahead: Optional[int] = typer.Option(
         None, "--lookahead", "-k", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
         "cost schedule the longest draft \\[6]."),

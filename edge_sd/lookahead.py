@@ -246,6 +246,11 @@ class CostSchedule:
         for acc in self.acceptance.values():
             acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
+        # Proposers that run the drafter, and those that need no model (prompt lookup): only the
+        # former pay the drafter's catching up, probe, and stop at a stopper.
+        self._drafting = [a for a, p in proposers.items() if p.drafter is not None]
+        self._free = [a for a, p in proposers.items() if p.drafter is None]
+        self._state = next((p.drafter for p in proposers.values() if p.drafter is not None), None)
         drafted = any(key != "plain" for key in self.rounds)
         self.idle_generations = 0 if drafted else self.idle_generations + 1
         self.plain_streak = 0
@@ -268,24 +273,46 @@ class CostSchedule:
                 for m in range(1, k + 1)]
 
     def _could_pay(self, k: int, plain: float) -> bool:
-        """Whether some draft of 1..k tokens, every one accepted, would beat a plain step."""
-        draft = min(c.value for c in self.draft_cost.values())
+        """Whether some drafter draft of 1..k tokens, every one accepted, would beat a plain step."""
+        draft = min(self.draft_cost[a].value for a in self._drafting)
         return any((m + 1) / (self.target_cost[m + 1].value + m * draft + self._other(m + 1)) > plain
                    for m in range(1, k + 1))
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        """open_ended: a stopper (DISCO) ends each draft, so a draft that pays may run to the longest."""
+        """open_ended: a stopper (DISCO) ends each drafter draft, so one that pays may run to the longest.
+
+        The drafter's algorithms are planned first (below); a proposer that needs no model (prompt
+        lookup) then takes the round where its continuation, available now, is expected to be faster
+        than what was planned."""
         k = min(self.k_max, budget)
         plain = 1.0 / (self.target_cost[1].value + self._other(1))
-        best_algo, best_m = None, 0
+        algo, m, rate = self._plan_drafter(k, budget, plain, open_ended) if self._drafting else (None, 0, plain)
+        for name in self._free:
+            cap = self.proposers[name].available(k) if k > 0 else 0  # type: ignore[attr-defined]
+            if cap:
+                # optimistic, as a drafter's algorithm is chosen: a rejected lookup costs little, and
+                # its estimate must follow texts that start or stop repeating themselves
+                hopes = self._rates(name, cap, OPTIMISM)
+                if max(hopes) > rate:
+                    depths = self._rates(name, cap, self.depth_optimism)
+                    algo, m, rate = name, 1 + int(np.argmax(depths)), max(hopes)
+        drafter_drafts = algo is not None and algo in self._drafting
+        self.plain_streak = 0 if drafter_drafts else self.plain_streak + 1
+        self._behind = self._state.behind if drafter_drafts and self._state is not None else 0
+        return Plan(self.proposers[algo] if algo else None, m)
+
+    def _plan_drafter(self, k: int, budget: int, plain: float, open_ended: bool) -> tuple[str | None, int, float]:
+        """The drafter's algorithm and draft length (None, 0: a plain step), with the rate it expects."""
+        best_algo, best_m, expected = None, 0, plain
         # Positions a draft starting now feeds beyond a steady draft's first forward (one drafter
         # state serves every proposer).
-        behind = next(iter(self.proposers.values())).drafter.behind
+        assert self._state is not None
+        behind = self._state.behind
         if k > 0:
             # Whether to draft: on the estimates as they are (a draft that does not pay on them is a
             # plain step). Which algorithm: the best on optimistic estimates, so that the others are
             # tried again now and then; only while drafting pays anyway, so exploring costs little.
-            rates = {a: self._rates(a, k) for a in self.proposers}
+            rates = {a: self._rates(a, k) for a in self._drafting}
             drafts = max(max(r) for r in rates.values()) > plain
             # The drafter's catching up is paid once, whatever follows: a draft starts only where the
             # rest of the generation (budget + 1 tokens), drafted at the estimated rate (in greedy
@@ -295,7 +322,7 @@ class CostSchedule:
             # the drafter's prompt ate all that sampled drafts gained.
             owed = behind * self.catch_up.value
             if drafts and owed:
-                best = max(max(self._rates(a, k, self.depth_optimism)) for a in self.proposers)
+                best = max(max(self._rates(a, k, self.depth_optimism)) for a in self._drafting)
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
                 self.held_back += not drafts
             affordable = owed <= self.target_cost[1].value or self.idle_generations >= PROBE_EVERY_GENERATIONS
@@ -304,16 +331,16 @@ class CostSchedule:
             if drafts or probe:  # else a plain step
                 longest = k if drafts else min(PROBE, k)
                 shortest = 1 if drafts else longest
-                best_algo = max(self.proposers, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
+                best_algo = max(self._drafting, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
                 best_m = longest
                 if drafts and open_ended:
                     best_m = k  # the stopper ends it
                 elif drafts:
                     depths = self._rates(best_algo, k, self.depth_optimism) if self.depth_optimism else rates[best_algo]
                     best_m = 1 + int(np.argmax(depths))
-        self.plain_streak = 0 if best_algo else self.plain_streak + 1
-        self._behind = behind if best_algo else 0
-        return Plan(self.proposers[best_algo] if best_algo else None, best_m)
+                # a probe is made whatever it is expected to give: anything faster takes the round
+                expected = max(rates[best_algo]) if drafts else 0.0
+        return best_algo, best_m, expected
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
@@ -330,9 +357,10 @@ class CostSchedule:
         # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
-        self.draft_cost[algo].add(max(0.0, draft_s - proposer.drafter.catch_up_s) / proposed)
+        caught_up = proposer.drafter.catch_up_s if proposer.drafter is not None else 0.0
+        self.draft_cost[algo].add(max(0.0, draft_s - caught_up) / proposed)
         if self._behind:
-            self.catch_up.add(proposer.drafter.catch_up_s / self._behind)
+            self.catch_up.add(caught_up / self._behind)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
@@ -439,7 +467,8 @@ class TraceRecorder(StaticSchedule):
     def __init__(self, proposer: Proposer, k: int, algo: str):
         super().__init__(proposer, k)
         self.algo = algo
-        self.state = proposer.drafter
+        assert proposer.drafter is not None, "calibration records drafter drafts"
+        self.state: DrafterState = proposer.drafter
         self.state.stopper = self._record
         self.recent = 0.5
         self.rounds: list[tuple[list[np.ndarray], list[int]]] = []

@@ -47,10 +47,11 @@ class Decoder:
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
         self.width = min(target.manifest.logits_width, target.manifest.vocab_size)
 
-    def run(self, prompt_ids: list[int], stream: TextStream, stats: Stats) -> Iterator[Emitted]:
+    def run(self, committed: list[int], stream: TextStream, stats: Stats) -> Iterator[Emitted]:
+        """committed: the prompt's ids, extended in place with every committed token (a proposer that
+        drafts from the text itself, prompt lookup, reads the same list)."""
         t0 = time.perf_counter()
         target, max_ctx = self.target, self.target.manifest.max_context
-        committed = list(prompt_ids)
         self._prefill(committed, stats)
         drafter_time0, drafter_calls0 = self._drafter_counters()
         while not stream.done:

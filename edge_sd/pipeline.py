@@ -10,7 +10,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from edge_sd.algorithms import ALGORITHMS, DrafterState, MappedProposer, SLEMProposer, SLRSProposer, TLIProposer
+from edge_sd.algorithms import (
+    ALGORITHMS,
+    DrafterState,
+    LookupProposer,
+    MappedProposer,
+    SLEMProposer,
+    SLRSProposer,
+    TLIProposer,
+)
 from edge_sd.algorithms.base import Proposer
 from edge_sd.algorithms.rdk import Kernel, RDKProposer
 from edge_sd.disco import DiscoModel
@@ -198,11 +206,11 @@ class Pipeline:
         raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
 
     def resolve_algorithm(self, cfg: GenerationConfig) -> str:
-        """The algorithm a configuration runs: `auto` with a drafter, `ar` without one."""
+        """The algorithm a configuration runs (auto on a single engine: plain steps and prompt lookup)."""
         algo = cfg.algorithm
-        if algo == "auto":
-            return "ar" if self.drafter is None else "auto"
-        if algo != "ar" and self.drafter is None:
+        if algo in ("auto", "ar", "lookup"):
+            return algo
+        if self.drafter is None:
             raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
         if algo == "rdk" and self.kernel is None:
             raise UsageError("--algorithm rdk needs the pair's RDK kernel: export the pair with --drafter-vocab-keep")
@@ -232,21 +240,27 @@ class Pipeline:
             return ()
         if algo != "auto":
             return (algo,)
+        # Prompt lookup costs no forward: it is on every menu, taken where the text repeats itself.
+        if self.drafter is None:
+            return ("lookup",)
         if self.same_vocab:
-            return ("standard",)
+            return ("standard", "lookup")
         if greedy:
-            return ("slem",)
-        return ("tli", "slrs", "rdk") if self.kernel is not None else ("tli", "slrs")
+            return ("slem", "lookup")
+        return ("tli", "slrs", "rdk", "lookup") if self.kernel is not None else ("tli", "slrs", "lookup")
 
     def _proposers(self, algos: tuple[str, ...], cfg: SamplingConfig, rng: np.random.Generator,
-                   state: DrafterState) -> dict[str, Proposer]:
-        """One proposer per algorithm, all drafting from one drafter state (synced after each round)."""
+                   state: DrafterState | None, history: list[int]) -> dict[str, Proposer]:
+        """One proposer per algorithm, all drafting from one drafter state (synced after each round);
+        prompt lookup reads the committed ids (`history`, which the decoder extends)."""
         drafter, maps, target = self.drafter, self.maps, self.target.vocab
-        assert drafter is not None and maps is not None
         # Proposals cover the ids the target can emit: its logits, cut to its tokenizer (loop.Decoder).
         width = min(self.target.manifest.logits_width, self.target.manifest.vocab_size)
 
         def make(algo: str) -> Proposer:
+            if algo == "lookup":
+                return LookupProposer(history)
+            assert drafter is not None and maps is not None and state is not None
             if algo == "standard":
                 identity = np.arange(drafter.vocab.size, dtype=np.int64)
                 return MappedProposer(state, identity, width, cfg, rng, target.eos_ids)
@@ -265,22 +279,24 @@ class Pipeline:
         """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught
         up, measured on the loaded engines (kept for later generations; the cost schedule then follows
         them online)."""
-        assert self.drafter is not None
         if self._costs is None:
-            t, d = self.target.engine, self.drafter.engine
+            t = self.target.engine
             span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
             t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
-            d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
             # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
             # (Gemma-3-270M int4 on CUDA: ~30 ms against 3), and a size first met mid-generation would
             # teach the cost model that drafting costs ten times what it does.
             _median_forward(t, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
             one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
                                                                                           CALIBRATION_CONTEXT, span)
-            step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
-            # A prompt's worth of positions at once (once untimed, once timed): from it alone auto judges
-            # whether a generation's first draft gains back the drafter's prompt, until a draft has.
-            fill = _median_forward(d, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
+            step = fill = 0.0  # no drafter (prompt lookup alone): no drafter forwards to pay
+            if self.drafter is not None:
+                d = self.drafter.engine
+                d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
+                step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
+                # A prompt's worth of positions at once (once untimed, once timed): from it alone auto
+                # judges whether a generation's first draft gains back the drafter's prompt, until one has.
+                fill = _median_forward(d, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
             self._costs = Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
                                 step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
         target = self._costs.target
@@ -291,14 +307,17 @@ class Pipeline:
     def _schedule(self, algo: str, cfg: GenerationConfig, proposers: dict[str, Proposer], state: DrafterState | None,
                   greedy: bool) -> tuple[Schedule, int]:
         name = cfg.schedule or ("cost" if algo == "auto" else "static")
-        if not proposers or state is None:
+        if not proposers:
             return StaticSchedule(None, 0), 0
-        disco = self.disco
+        disco = self.disco if state is not None else None  # a stopper ends drafter drafts only
         if name == "disco" and disco is None:
-            raise UsageError("the disco schedule needs a calibrated pair: run `edge-sd calibrate PAIR` first")
+            raise UsageError("the disco schedule needs a calibrated pair and a drafter: run `edge-sd calibrate PAIR` "
+                             "first")
+        if name == "confidence" and state is None:
+            raise UsageError("the confidence schedule cuts a drafter's drafts: it needs a pair folder")
         names = {id(p): a for a, p in proposers.items()}
         if name == "disco" and algo != "auto":
-            assert disco is not None
+            assert disco is not None and state is not None
             k = cfg.lookahead if cfg.lookahead is not None else disco.k
             (proposer,) = proposers.values()
             return DiscoSchedule(StaticSchedule(proposer, k), disco, state, names), k
@@ -313,15 +332,16 @@ class Pipeline:
                                                          greedy=greedy, catch_up=costs.position)
             # A draft's catching up is told apart from its drafting against a one-position step; until
             # the drafter has run one (probes only catch up), the step measured at load stands in.
-            if state.step_s is None:
+            if state is not None and state.step_s is None:
                 state.step_s = self.costs(k).step
             cost = self._cost_schedules[key]
             # auto: the cost model decides whether to draft, a stopper when to stop: DISCO where the
             # pair's classifier was calibrated for this kind of decoding (greedy or sampling; asked for
             # by name, it runs either way), else in greedy decoding the confidence cut.
-            if disco is not None and (name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
+            if disco is not None and state is not None and (
+                    name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
                 return DiscoSchedule(cost, disco, state, names), k
-            if cfg.schedule is None and greedy:
+            if cfg.schedule is None and greedy and state is not None:
                 return ConfidenceSchedule(cost, state), k
             return cost, k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
@@ -331,6 +351,7 @@ class Pipeline:
         if name == "heuristic":
             return HeuristicSchedule(proposer, k, max(k, DEFAULT_MAX_LOOKAHEAD)), k
         if name == "confidence":
+            assert state is not None
             return ConfidenceSchedule(StaticSchedule(proposer, k), state), k
         return StaticSchedule(proposer, k), k
 
@@ -356,18 +377,21 @@ class Pipeline:
             )
         sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
         rng = np.random.default_rng(cfg.seed)
-        state, proposers, d_ids = None, {}, []
-        if algo != "ar":
+        history = list(ids)  # the committed ids: the decoder extends it, prompt lookup reads it
+        algos = self.candidates(algo, sampling.greedy)
+        state, d_ids = None, []
+        if any(a != "lookup" for a in algos):
             assert self.drafter is not None
             d_ids = self.drafter.prompt_ids(prompt, cfg.chat and bool(self.drafter.manifest.chat_template))
-            # A prompt that does not fit the drafter is decoded plainly: the drafter is only a helper.
+            # A prompt that does not fit the drafter is decoded without it: the drafter is only a helper.
             if 0 < len(d_ids) < self.drafter.manifest.max_context:
-                algos = self.candidates(algo, sampling.greedy)
                 # Healing the prompt's end suits proposers that hand over text; the others map the
                 # drafter's tokens one by one, and the healed first token spans the prompt's end.
                 state = DrafterState(self.drafter.engine, self.drafter.vocab, d_ids, self.drafter.kept,
-                                     heal=algos == ("slem",))
-                proposers = self._proposers(algos, sampling, rng, state)
+                                     heal="slem" in algos and not {"tli", "slrs", "rdk", "standard"} & set(algos))
+            else:
+                algos = tuple(a for a in algos if a == "lookup")
+        proposers = self._proposers(algos, sampling, rng, state, history) if algos else {}
         schedule, k = self._schedule(algo, cfg, proposers, state, sampling.greedy)
         if make_schedule is not None and proposers:
             schedule = make_schedule(proposers)
@@ -384,7 +408,7 @@ class Pipeline:
         stream = TextStream(self.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop),
                             cfg.include_stop)
         pieces = []
-        for event in decoder.run(ids, stream, stats):
+        for event in decoder.run(history, stream, stats):
             pieces.append(event.text)
             yield event
         return GenerationResult("".join(pieces), stream.ids, stats, ids)

@@ -112,7 +112,7 @@ def test_pruned_drafters_greedy_equals_plain(pipelines, references, pair: str, a
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_standard_same_vocabulary(pipelines, references, k: int) -> None:
     pipe = pipelines["llama_same"]
-    assert pipe.same_vocab and pipe.candidates(pipe.resolve_algorithm(GenerationConfig())) == ("standard",)
+    assert pipe.same_vocab and pipe.candidates(pipe.resolve_algorithm(GenerationConfig())) == ("standard", "lookup")
     for prompt in PROMPTS:
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="standard",
                                                    lookahead=k))
@@ -409,8 +409,9 @@ def test_auto_is_lossless_and_says_what_it_did(pipelines, references, pair: str)
     greedy output equals plain decoding, and the statistics say what it chose. Greedy across
     vocabularies it drafts with SLEM alone (Pipeline.candidates); sampling, it weighs TLI and SLRS."""
     pipe = pipelines[pair]
-    algos = {"standard"} if pipe.same_vocab else {"slem"}
-    assert pipe.candidates("auto", greedy=False) == (("standard",) if pipe.same_vocab else ("tli", "slrs"))
+    algos = {"standard", "lookup"} if pipe.same_vocab else {"slem", "lookup"}
+    assert pipe.candidates("auto", greedy=False) == (
+        ("standard", "lookup") if pipe.same_vocab else ("tli", "slrs", "lookup"))
     for prompt in PROMPTS[:8]:
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
         plain, gaps = references[pair, prompt]
@@ -472,3 +473,72 @@ def test_confidence_schedule_cuts_drafts_and_stays_lossless(pipelines, reference
         assert_same_or_near_tie(r.token_ids, plain, gaps, f"confidence/{algo}/{prompt!r}", is_exact(pipe))
         stopped += r.stats.schedule["confidence"]["stopped_early"]
     assert stopped > 0  # the tiny drafter is often unsure: some drafts were cut
+
+
+# --- prompt lookup: drafts from the text itself -----------------------------------------------------
+
+# Texts that repeat themselves, so that n-grams of the prompt come back (and lookup has candidates).
+REPEATING = ["The cat reads the map. The cat reads the map. The cat", "def add(a, b):\n    return a + b\n\ndef add(",
+             "A small robot reads a long story. A small robot", "for i in range(10):\n    print(i)\nfor i in"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_lookup_greedy_equals_plain(pipelines, references, k: int) -> None:
+    """On pairs (the drafter unused) and on a lone target: the output is plain decoding's, and the
+    lookup did propose and get accepted."""
+    proposed = accepted = 0
+    for pair in ("gemma_qwen", "llama_sp2"):
+        pipe = pipelines[pair]
+        for prompt in PROMPTS + REPEATING:
+            r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="lookup", lookahead=k))
+            plain, gaps = references[pair, prompt] if (pair, prompt) in references else plain_greedy(
+                pipe, pipe.target.prompt_ids(prompt, False), NEW_TOKENS)
+            assert_same_or_near_tie(r.token_ids, plain, gaps, f"{pair}/lookup/k={k}/{prompt!r}", is_exact(pipe))
+            assert_text_is_the_ids(pipe, r)
+            assert r.stats.drafter_forwards == 0  # no model drafted
+            proposed += r.stats.proposed
+            accepted += r.stats.accepted
+    assert 0 < accepted <= proposed
+
+
+def test_auto_on_a_single_engine_is_plain_decoding_plus_lookup(tiny_root: Path) -> None:
+    """auto without a drafter: the cost model between plain steps and prompt lookup; output equal to
+    plain decoding, and lookup rounds where the text repeats."""
+    pipe = Pipeline.from_folder(tiny_root / "engines" / "bl_llama", provider=PROVIDER, threads=2)
+    assert pipe.candidates("auto", greedy=True) == ("lookup",)
+    lookup_rounds = 0
+    for prompt in PROMPTS[:6] + REPEATING:
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=40, algorithm="ar"))
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=40))
+        assert r.token_ids == plain.token_ids or not is_exact(pipe), prompt
+        assert r.stats.algorithm == "auto" and set(r.stats.schedule["draft_ms_per_token"]) == {"lookup"}
+        lookup_rounds += sum(v for key, v in r.stats.schedule["rounds"].items() if key.startswith("lookup"))
+    assert lookup_rounds > 0
+
+
+def self_repeating(pipe: Pipeline, base: str = "The cat") -> str:
+    """A prompt that ends as it began, after the target's own greedy continuation of its beginning:
+    lookup then proposes what the target is likely to sample (so candidates are accepted too)."""
+    return base + pipe.generate(base, GenerationConfig(max_new_tokens=10, algorithm="ar")).text + " " + base
+
+
+def test_lookup_sampling_matches_plain_distribution(pipelines) -> None:
+    """Deterministic proposals verified by speculative sampling (accept with p(c), else p without c)."""
+    pipe = pipelines["gemma_qwen"]
+    tv, bound, accepted, outside = two_token_tv(pipe, "lookup", WARPS["T1-top4"], self_repeating(pipe))
+    assert outside == 0 and tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+    assert accepted > 0
+
+
+def test_lookup_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -> None:
+    """Negative control: accepting every lookup candidate emits the text's repetition, not p."""
+    from edge_sd.algorithms import LookupProposer
+    from edge_sd.sampling import sample
+
+    def accept_all(cands, q, p, rng):
+        return len(cands), sample(p[len(cands)], rng)
+
+    monkeypatch.setattr(LookupProposer, "verifier", staticmethod(accept_all))
+    pipe = pipelines["gemma_qwen"]
+    tv, bound, _, _ = two_token_tv(pipe, "lookup", WARPS["T1-top4"], self_repeating(pipe))
+    assert tv > bound, f"a wrong verifier passed: TV {tv:.4f} < {bound:.4f}"

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from edge_sd.algorithms import verify_exact, verify_greedy, verify_standard
+from edge_sd.algorithms import verify_exact, verify_greedy, verify_point, verify_standard
 from edge_sd.sampling import SamplingConfig, residual, sample, warp
 from edge_sd.vocab import build_maps
 
@@ -184,3 +184,32 @@ def test_sample_over_a_long_vector_follows_p() -> None:
     p2[[3, 2 * BLOCK + 1]] = [0.25, 0.75]
     one = SimpleNamespace(random=lambda: 1.0)
     assert sample(p2, one) == 2 * BLOCK + 1 and sample(p2[: 2 * BLOCK + 2], one) == 2 * BLOCK + 1
+
+
+def test_point_rule_emits_p() -> None:
+    """Prompt lookup's deterministic candidates: accepted with p(c), else p without c; the first token
+    is distributed as p whichever token is proposed, a likely one or an unlikely one."""
+    p = dists(7, 3)
+    for c in (int(np.argmax(p[0])), int(np.argmin(p[0]))):
+        def run(rng, c=c):
+            a, nxt = verify_point([c, 2], None, p, rng)
+            return c if a >= 1 else nxt
+
+        assert tv(first_tokens(run), p[0]) < tv_bound(V)
+
+    def always_accept(rng):  # the test's power: an unverified proposal is a point mass
+        return int(np.argmin(p[0]))
+
+    assert tv(first_tokens(always_accept), p[0]) > tv_bound(V)
+
+
+def test_point_rule_second_position_and_bonus() -> None:
+    """Given the first candidate accepted, the second emitted token is distributed as p_2."""
+    p = dists(8, 3)
+    counts = np.zeros(V)
+    rng = np.random.default_rng(3)
+    while counts.sum() < N:
+        a, nxt = verify_point([1, 4], None, p, rng)
+        if a >= 1:
+            counts[4 if a == 2 else nxt] += 1
+    assert tv(counts, p[1]) < tv_bound(V)

@@ -1,15 +1,17 @@
 """Proposers and verifiers, one module per algorithm of ALGORITHMS.md."""
 
 from edge_sd.algorithms.base import Draft, DrafterState, Proposer
+from edge_sd.algorithms.lookup import LookupProposer, verify_point
 from edge_sd.algorithms.rdk import Kernel, RDKProposer
 from edge_sd.algorithms.slem import SLEMProposer, verify_exact
 from edge_sd.algorithms.slrs import SLRSProposer
 from edge_sd.algorithms.standard import MappedProposer, TLIProposer, verify_greedy, verify_standard
 
-# "ar" is plain autoregressive decoding of the target; "auto" is resolved by the pipeline.
-ALGORITHMS = ("auto", "ar", "standard", "slem", "tli", "slrs", "rdk")
+# "ar" is plain autoregressive decoding of the target; "auto" is resolved by the pipeline; "lookup"
+# drafts from the text itself (no drafter needed).
+ALGORITHMS = ("auto", "ar", "standard", "slem", "tli", "slrs", "rdk", "lookup")
 
 __all__ = [
-    "ALGORITHMS", "Draft", "DrafterState", "Kernel", "RDKProposer", "MappedProposer", "Proposer", "SLEMProposer",
-    "SLRSProposer", "TLIProposer", "verify_exact", "verify_greedy", "verify_standard",
+    "ALGORITHMS", "Draft", "DrafterState", "Kernel", "LookupProposer", "RDKProposer", "MappedProposer", "Proposer",
+    "SLEMProposer", "SLRSProposer", "TLIProposer", "verify_exact", "verify_greedy", "verify_point", "verify_standard",
 ]

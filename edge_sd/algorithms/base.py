@@ -37,7 +37,12 @@ class Draft:
 
 class Proposer(Protocol):
     name: str
-    drafter: DrafterState
+
+    @property
+    def drafter(self) -> DrafterState | None:
+        """The drafter state it drafts from; None for a proposer that needs no model (prompt lookup),
+        which also tells `available(k)`: how many candidates it has now."""
+        ...
 
     @property
     def verifier(self) -> Verifier:

@@ -1,0 +1,300 @@
+"""edge-sd against llama.cpp on the same GGUF file, side by side, interleaved per prompt.
+
+    bash scripts/real_pair.sh                      # once: the default pair in engines/
+    LLAMA_BIN=$(bash benchmarks/llama_cpp.sh)      # once: llama.cpp's tools (about 10 minutes)
+    .venv/bin/python benchmarks/llama_cpp.py --llama-bin "$LLAMA_BIN" [--per-set 6] [-n 64]
+
+For every prompt, one after the other: edge-sd plain decoding and auto (greedy, then sampled at T=1
+with the prompt's seed) on the pair folder, then llama.cpp's plain decoding (`llama-completion`,
+greedy and sampled) and its drafter-free n-gram speculation (`llama-speculative-simple --spec-type
+ngram-simple`, greedy) on the GGUF file the pair's target was exported from. A slow spell of the
+machine then hits every row alike. The rate compared is the decode rate: new tokens over the time
+after the prompt's prefill (llama.cpp's own `eval time`; for its speculation, the time it reports for
+decoding), with both tools on the same number of threads.
+
+Prompt sets: code (HumanEval) and summaries (Lee news articles), from the 5th prompt of each on (the
+first 4 calibrate DISCO in scripts/real_pair.sh), and prose (story and essay openings written for this
+benchmark, below). `--perplexity` adds perplexity on the first news articles, computed the way
+`llama-perplexity` computes it (chunks of --ctx tokens, each scored on its second half), for the pair's
+target and llama.cpp on the same text.
+
+Writes benchmarks/results/llama_cpp.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_sd.bench import prompts as prompt_sets
+from edge_sd.bench.run import machine
+from edge_sd.manifest import load_engine_manifest, load_pair_manifest
+from edge_sd.pipeline import GenerationConfig, Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path.home() / ".cache" / "edge-sd"
+# Openings of stories and essays, for continuation (no article or code to copy from).
+PROSE = [
+    "The lighthouse keeper had not seen a ship in eleven days when",
+    "There are three reasons why cities should plant more trees. The first",
+    "On the morning of the storm, Maria packed her bag and",
+    "The history of the bicycle begins in the early nineteenth century, when",
+    "My grandfather kept a small notebook in which he wrote",
+    "Learning a second language as an adult is hard, but",
+    "The train slowed as it entered the valley, and the passengers",
+    "Good software documentation starts with a clear description of",
+]
+ROWS = {  # label -> (tool, mode)
+    "edge-sd plain": ("edge-sd", "greedy"),
+    "edge-sd auto": ("edge-sd", "greedy"),
+    "llama.cpp plain": ("llama.cpp", "greedy"),
+    "llama.cpp n-gram": ("llama.cpp", "greedy"),
+    "edge-sd plain, T=1": ("edge-sd", "sample"),
+    "edge-sd auto, T=1": ("edge-sd", "sample"),
+    "llama.cpp plain, T=1": ("llama.cpp", "sample"),
+}
+
+
+def prompt_list(per_set: int, skip: int) -> list[tuple[str, str]]:
+    out = []
+    for name, label in (("code", "code"), ("summarisation", "summaries")):
+        out += [(label, p.text) for p in prompt_sets.load(name, CACHE, skip + per_set)[skip:]]
+    out += [("prose", t) for t in PROSE[:per_set]]
+    return out
+
+
+def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, temperature: float, seed: int) -> dict:
+    r = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm=algorithm, temperature=temperature,
+                                               seed=seed))
+    decode = r.stats.wall_s - r.stats.prefill_s
+    return {"tokens": r.stats.new_tokens, "decode_s": decode, "rate": r.stats.new_tokens / decode,
+            "ids": r.token_ids, "schedule": r.stats.schedule.get("rounds", {})}
+
+
+def _llama(binary: Path, args: list[str], prompt: str, spec: bool) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    cmd = [str(binary), *args, "-f", f.name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    Path(f.name).unlink()
+    log = proc.stderr + proc.stdout
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {log[-2000:]}")
+    if spec:
+        m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", log)
+        if not m:
+            raise RuntimeError(f"no decoding time in the output of {binary.name}: {log[-1500:]}")
+        tokens, seconds = int(m.group(1)), float(m.group(2))
+        acc = re.search(r"accept\s*=\s*([\d.]+)%", log)
+        return {"tokens": tokens, "decode_s": seconds, "rate": tokens / seconds,
+                "accept": float(acc.group(1)) / 100 if acc else None}
+    m = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", log.split("prompt eval time")[-1])
+    if not m:
+        raise RuntimeError(f"no eval time in the output of {binary.name}: {log[-1500:]}")
+    seconds, runs = float(m.group(1)) / 1e3, int(m.group(2))
+    return {"tokens": runs, "decode_s": seconds, "rate": runs / seconds}
+
+
+def llama_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) -> list[str]:
+    sampling = ["--temp", "0"] if temperature == 0 else ["--temp", str(temperature), "--top-k", "0", "--top-p", "1",
+                                                         "--min-p", "0"]
+    return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
+            "-c", "2048", "--no-warmup", *sampling]
+
+
+def perplexity(pipe: Pipeline, binary: Path, gguf: Path, articles: int, ctx: int, threads: int) -> dict:
+    """Perplexity of the pair's target and of llama.cpp on the same text, both the llama-perplexity way:
+    the text cut into chunks of ctx tokens (BOS first), each scored on its second half."""
+    text = "\n".join(prompt_sets.articles(CACHE, articles))
+    engine, vocab = pipe.target.engine, pipe.target.vocab
+    ids = vocab.encode_text(text)
+    bos = pipe.target.manifest.bos_token_id
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - ctx + 1, ctx):
+        chunk = ids[start : start + ctx]
+        if bos is not None:
+            chunk = [bos] + chunk[1:]
+        engine.reset()
+        engine.reserve(ctx)
+        logits = engine.forward(np.asarray(chunk)).astype(np.float64)  # [ctx, V]
+        first = ctx // 2
+        rows = logits[first - 1 : ctx - 1]
+        rows -= rows.max(-1, keepdims=True)
+        logp = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+        nll -= float(logp[np.arange(len(rows)), chunk[first:]].sum())
+        count += len(rows)
+    engine.reset()
+    ours = float(np.exp(nll / count))
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    proc = subprocess.run([str(binary), "-m", str(gguf), "-f", f.name, "-c", str(ctx), "-t", str(threads),
+                           "-b", str(ctx)], capture_output=True, text=True, timeout=1800)
+    Path(f.name).unlink()
+    m = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stderr + proc.stdout)
+    return {"ctx": ctx, "articles": articles, "edge_sd": ours, "edge_sd_positions": count,
+            "llama_cpp": float(m.group(1)) if m else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", type=Path, default=ROOT / "engines" / "gemma3-270m_smollm2-135m")
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file [the pair target's source]")
+    ap.add_argument("--llama-bin", type=Path, required=True, help="folder of llama.cpp's binaries (llama_cpp.sh)")
+    ap.add_argument("--per-set", type=int, default=6)
+    ap.add_argument("--skip", type=int, default=4)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--perplexity", type=int, default=0, help="also perplexity on this many news articles")
+    ap.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
+    ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+
+    pm = load_pair_manifest(args.pair)
+    target = load_engine_manifest(args.pair / pm.target)
+    gguf = args.gguf or Path(target.source)
+    if not gguf.is_file():
+        sys.exit(f"GGUF file {gguf} not found (--gguf)")
+    pipe = Pipeline.from_folder(args.pair, threads=args.threads)
+    completion, spec = args.llama_bin / "llama-completion", args.llama_bin / "llama-speculative-simple"
+    prompts = prompt_list(args.per_set, args.skip)
+    n = args.max_new_tokens
+    # Warm-up: load-time calibration of auto, and the first forwards of each shape.
+    pipe.generate(prompts[0][1], GenerationConfig(max_new_tokens=8))
+    records = []
+    for i, (group, text) in enumerate(prompts):
+        seed = 1000 + i
+        rec = {"set": group, "prompt": i, "runs": {}}
+        runs = rec["runs"]
+        runs["edge-sd plain"] = _edge(pipe, text, n, "ar", 0.0, seed)
+        runs["edge-sd auto"] = _edge(pipe, text, n, "auto", 0.0, seed)
+        runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"].pop("ids") == runs["edge-sd plain"].pop("ids")
+        runs["llama.cpp plain"] = _llama(completion, llama_args(gguf, n, args.threads, 0.0, seed) + ["-no-cnv"],
+                                         text, spec=False)
+        runs["llama.cpp n-gram"] = _llama(spec, llama_args(gguf, n, args.threads, 0.0, seed)
+                                          + ["--spec-type", "ngram-simple"], text, spec=True)
+        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "ar", 1.0, seed)
+        runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", 1.0, seed)
+        runs["llama.cpp plain, T=1"] = _llama(completion, llama_args(gguf, n, args.threads, 1.0, seed) + ["-no-cnv"],
+                                              text, spec=False)
+        for r in runs.values():
+            r.pop("ids", None)
+        records.append(rec)
+        print(f"[{i + 1}/{len(prompts)}] {group}: " + ", ".join(f"{k} {v['rate']:.1f}" for k, v in runs.items()),
+              file=sys.stderr, flush=True)
+        time.sleep(0.1)
+    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
+              "gguf": gguf.name, "target_precision": target.precision,
+              "drafter_precision": load_engine_manifest(args.pair / pm.drafter).precision,
+              "llama_cpp": _llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
+              "records": records}
+    if args.perplexity:
+        result["perplexity"] = perplexity(pipe, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
+                                          args.ctx, args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "llama_cpp.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "llama_cpp.md").write_text(report(result))
+    plot(result, args.out / "llama_cpp.png")
+    print(report(result))
+
+
+def _llama_version(binary: Path) -> str:
+    proc = subprocess.run([str(binary / "llama-completion"), "--version"], capture_output=True, text=True)
+    m = re.search(r"version: (\S+) \((\w+)\)", proc.stderr + proc.stdout)
+    return f"build {m.group(1)}, commit {m.group(2)}" if m else "unknown"
+
+
+def medians(result: dict) -> dict[str, dict[str, float]]:
+    """label -> set -> median decode rate (tok/s), with 'all' over every prompt."""
+    out: dict[str, dict[str, float]] = {}
+    sets = sorted({r["set"] for r in result["records"]}) + ["all"]
+    for label in ROWS:
+        out[label] = {s: statistics.median(r["runs"][label]["rate"] for r in result["records"]
+                                           if s in ("all", r["set"])) for s in sets}
+    return out
+
+
+def ratios(result: dict, label: str, against: list[str]) -> dict[str, float]:
+    """set -> median over prompts of label's rate / the best of `against` on the same prompt."""
+    sets = sorted({r["set"] for r in result["records"]}) + ["all"]
+    return {s: statistics.median(r["runs"][label]["rate"] / max(r["runs"][a]["rate"] for a in against)
+                                 for r in result["records"] if s in ("all", r["set"])) for s in sets}
+
+
+def report(result: dict) -> str:
+    med = medians(result)
+    sets = list(next(iter(med.values())))
+    m = result["machine"]
+    lines = [
+        f"# edge-sd against llama.cpp on {result['gguf']}",
+        "",
+        f"{result['date']}; {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}; llama.cpp "
+        f"{result['llama_cpp']}; {result['options']['threads']} threads each; {result['options']['max_new_tokens']} new "
+        f"tokens; target {result['target_precision']}, drafter {result['drafter_precision']}. Decode rate (new tokens "
+        "over the time after the prompt's prefill), median over prompts; every row ran on every prompt, "
+        "interleaved. Command: `python benchmarks/llama_cpp.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in result["options"].items()
+            if k in ("per_set", "max_new_tokens", "perplexity") and v not in ("0",)) + "`.",
+        "",
+        "| row | " + " | ".join(sets) + " |",
+        "|---|" + "---|" * len(sets),
+    ]
+    for label, by_set in med.items():
+        lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in by_set.values()) + " |")
+    lines += ["", "Ratios (median over prompts of the per-prompt ratio):", "",
+              "| ratio | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+    for name, label, against in (
+        ("edge-sd plain / llama.cpp plain", "edge-sd plain", ["llama.cpp plain"]),
+        ("edge-sd auto / best of llama.cpp plain and n-gram (greedy)", "edge-sd auto",
+         ["llama.cpp plain", "llama.cpp n-gram"]),
+        ("edge-sd auto, T=1 / llama.cpp plain, T=1", "edge-sd auto, T=1", ["llama.cpp plain, T=1"]),
+        ("edge-sd auto / edge-sd plain (greedy)", "edge-sd auto", ["edge-sd plain"]),
+        ("edge-sd auto, T=1 / edge-sd plain, T=1", "edge-sd auto, T=1", ["edge-sd plain, T=1"]),
+    ):
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}x" for v in ratios(result, label, against).values()) + " |")
+    equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
+    lines += ["", f"edge-sd auto's greedy output equal to its plain decoding: {equal} of {len(result['records'])} "
+              "prompts."]
+    if "perplexity" in result:
+        p = result["perplexity"]
+        lines += ["", f"Perplexity, {p['articles']} news articles, chunks of {p['ctx']} tokens scored on their "
+                  f"second half: edge-sd {p['edge_sd']:.3f}, llama.cpp {p['llama_cpp']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = medians(result)
+    sets = [s for s in next(iter(med.values())) if s != "all"]
+    labels = list(med)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        xs = np.arange(len(sets)) + (j - len(labels) / 2 + 0.5) * width
+        color = ("tab:blue" if ROWS[label][0] == "edge-sd" else "tab:orange")
+        ax.bar(xs, [med[label][s] for s in sets], width, label=label, color=color,
+               alpha=1.0 if "auto" in label or "n-gram" in label else 0.55,
+               hatch="//" if ROWS[label][1] == "sample" else None)
+    ax.set_xticks(np.arange(len(sets)), sets)
+    ax.set_ylabel("decode rate, tok/s (median)")
+    ax.set_title(f"edge-sd and llama.cpp on {result['gguf']} ({result['machine']['cores']} cores, {result['date']})")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Drafter-free proposals: prompt lookup (n-gram matching on the text itself, in target ids).
+
+The candidates are what followed the most recent earlier occurrence of the text's last n tokens
+(n = NGRAM_MAX down to NGRAM_MIN, longest first), in the prompt or the generated text: a summary
+quoting its article, code repeating a name, a list continuing its pattern. transformers'
+`prompt_lookup_num_tokens`, vLLM's n-gram speculation and llama.cpp's n-gram drafting propose the same.
+
+The proposal is deterministic given the past (q is a point mass on each candidate), so verification
+is speculative sampling with q one-hot: accept c with probability p(c), else emit a sample of p with
+c removed and renormalised (the residual of a point mass). Greedy, that is: accept while c is the
+argmax. Drafting costs no model forward: a dictionary lookup per round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_sd.algorithms.base import Draft
+from edge_sd.sampling import sample
+
+# Longest and shortest suffix matched: longer matches are tried first (they predict better); single
+# tokens match almost anywhere and predict little.
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+
+
+def verify_point(candidates: list[int], q: np.ndarray | None, p: np.ndarray,
+                 rng: np.random.Generator) -> tuple[int, int]:
+    """Speculative sampling of deterministic proposals: accept c_i with probability p_i(c_i); at the
+    first rejection emit a sample of p_i without c_i (renormalised); if all pass, a sample of p_{m+1}.
+    p: [m+1, V]; q is not used (each proposal is a point mass). Returns (accepted, next token)."""
+    for i, c in enumerate(candidates):
+        if c >= 0 and rng.random() < p[i, c]:
+            continue
+        rest = p[i].astype(np.float64, copy=True)
+        if c >= 0:
+            rest[c] = 0.0
+        total = rest.sum()
+        # p(c) = 1 was accepted above (rng.random() < 1), so a rejection leaves mass elsewhere.
+        return i, sample(rest / total, rng)
+    m = len(candidates)
+    return m, sample(p[m], rng)
+
+
+class LookupProposer:
+    """Proposes the continuation of the longest recent n-gram match in `history` (the committed target
+    ids: the prompt, then the generated tokens; the decoder extends the list in place)."""
+
+    name = "lookup"
+    verifier = staticmethod(verify_point)
+    drafter = None  # no model: nothing to catch up, nothing to sync
+
+    def __init__(self, history: list[int]):
+        self.history = history
+        # (n-gram) -> the position just after its latest occurrence, for every n-gram that has a
+        # continuation (its last token is not the history's last).
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in the table
+
+    def _index(self) -> None:
+        h = self.history
+        for end in range(max(self._indexed, 1), len(h)):  # n-grams h[end-n:end], continued by h[end]
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end - n >= 0:
+                    self._next[tuple(h[end - n : end])] = end
+        self._indexed = max(self._indexed, len(h))
+
+    def available(self, k: int) -> int:
+        """How many candidates a draft of up to k would propose now (0: no match)."""
+        return len(self._continuation(k))
+
+    def _continuation(self, k: int) -> list[int]:
+        self._index()
+        h = self.history
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if len(h) > n:
+                at = self._next.get(tuple(h[-n:]))
+                if at is not None:
+                    return h[at : at + k]
+        return []
+
+    def propose(self, k: int, committed: list[int]) -> Draft:
+        return Draft(self._continuation(k), None)
+
+    def sync(self, generated: bytes) -> None:
+        pass  # the history is the decoder's own list
