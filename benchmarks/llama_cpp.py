@@ -208,9 +208,11 @@ def main() -> None:
 
 
 def _llama_version(binary: Path) -> str:
+    """The llama-cpp-python sdist the tools were built from (benchmarks/llama_cpp.sh keeps builds in
+    llama.cpp/<version>/build/bin), and the version llama.cpp reports itself."""
     proc = subprocess.run([str(binary / "llama-completion"), "--version"], capture_output=True, text=True)
-    m = re.search(r"version: (\S+) \((\w+)\)", proc.stderr + proc.stdout)
-    return f"build {m.group(1)}, commit {m.group(2)}" if m else "unknown"
+    m = re.search(r"version: (\S+)", proc.stderr + proc.stdout)
+    return f"vendored in llama-cpp-python {binary.parent.parent.name} ({m.group(1) if m else 'version unknown'})"
 
 
 def medians(result: dict) -> dict[str, dict[str, float]]:
@@ -238,8 +240,9 @@ def report(result: dict) -> str:
         f"# edge-sd against llama.cpp on {result['gguf']}",
         "",
         f"{result['date']}; {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}; llama.cpp "
-        f"{result['llama_cpp']}; {result['options']['threads']} threads each; {result['options']['max_new_tokens']} new "
-        f"tokens; target {result['target_precision']}, drafter {result['drafter_precision']}. Decode rate (new tokens "
+        f"{result['llama_cpp']}; {result['options']['threads']} threads each; "
+        f"{result['options']['max_new_tokens']} new tokens; target {result['target_precision']}, drafter "
+        f"{result['drafter_precision']}. Decode rate (new tokens "
         "over the time after the prompt's prefill), median over prompts; every row ran on every prompt, "
         "interleaved. Command: `python benchmarks/llama_cpp.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in result["options"].items()

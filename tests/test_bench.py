@@ -84,10 +84,12 @@ def test_engine_bench_against_onnxruntime_genai(tmp_path: Path) -> None:
     for label, c in cases.items():
         assert c["export_path"] == "builder" and c["genai_tok_s"] > 0 and c["decode_tok_s"] > 0, label
         assert 0 < c["ms_forward_1"] and 0 <= c["ms_cut_back"] < c["ms_forward_1"], label
-    # Same graph, greedy decoding: the fp32 target gives onnxruntime-genai's tokens on every prompt
-    # (its kernels' paths differ by 1e-6 of the logit scale, which no argmax here is close to). Not
-    # asserted for the int4 drafter: its int8-activation kernels differ by 2e-2 between one-position
-    # forwards and longer ones, and genai computes the first new token inside the prompt's forward.
-    assert cases["target"]["genai_same_tokens"] == cases["target"]["prompts"]
+    # Same graph, greedy decoding: an fp32 target gives onnxruntime-genai's tokens on every prompt (its
+    # kernels' paths differ by 1e-6 of the logit scale, which no argmax here is close to). Not asserted
+    # for int8-activation kernels (the gguf target, the int4 drafter): they differ by 2e-2 between
+    # one-position forwards, which genai steps with, and the two-position ones edge-sd steps with.
+    precision = json.loads((PAIR / "target" / "engine.json").read_text())["precision"]
+    if precision == "fp32":
+        assert cases["target"]["genai_same_tokens"] == cases["target"]["prompts"]
     assert (out / "engines.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| target | builder | fp32 |" in (out / "engines.md").read_text()
+    assert f"| target | builder | {precision} |" in (out / "engines.md").read_text()

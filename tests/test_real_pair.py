@@ -1,5 +1,5 @@
-"""The real pair: Gemma-3-270M (fp32) target, SmolLM2-135M (int4) drafter, 262k vs 49k vocabularies,
-both exported through onnxruntime-genai's model builder.
+"""The real pair: Gemma-3-270M target (the GGUF's own Q4_K_M weights, precision gguf), SmolLM2-135M
+(int4) drafter, 262k vs 49k vocabularies, both exported through onnxruntime-genai's model builder.
 
 `scripts/test.sh` exports the pair into the cache (EDGE_SD_REAL_PAIR) and writes the fp32 Hugging Face
 folders these tests compare against; running pytest by hand without them fails with the command to run.
@@ -39,18 +39,19 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 ALGOS = ("slem", "tli", "slrs")
-# Acceptance floors: about two thirds of what these prompts measured (32 greedy tokens each, int4
-# drafter, 2-core x86-64), so that another CPU's rounding cannot trip them while a broken map or sync
-# (an untrained drafter measured below 10% on the tiny pairs) still does. Measured at k=3 / 5: SLEM
-# 0.457 / 0.329, TLI 0.389 / 0.280, SLRS 0.406 / 0.289 (the int8 drafter: 0.534 / 0.408, 0.444 / 0.324,
-# 0.469 / 0.339).
+# Acceptance floors: about two thirds of what these prompts measured (32 greedy tokens each, gguf
+# target, int4 drafter, 2-core x86-64), so that another CPU's rounding cannot trip them while a broken
+# map or sync (an untrained drafter measured below 10% on the tiny pairs) still does. Measured at k=3 /
+# 5: SLEM 0.449 / 0.336, TLI 0.377 / 0.279, SLRS 0.394 / 0.288.
 ACCEPTANCE_FLOOR = {
     ("slem", 3): 0.30, ("slem", 5): 0.22,
     ("tli", 3): 0.26, ("tli", 5): 0.19,
     ("slrs", 3): 0.27, ("slrs", 5): 0.19,
 }
-# The target is exported in fp32: same graph as torch, differences from kernel order only.
-TARGET_RTOL = 1e-3
+# The target computes with the GGUF's weights exactly, but with int8 activations (MatMulNBits accuracy
+# level 4): its argmax agrees with torch's fp32 dequantization of the same file on most positions of
+# these prompts (0.92, the mean over the first four); a wrong weight leaves next to none.
+TARGET_TOP1 = 0.8
 # The drafter is int4 (weight-only, int8 activations; the GGUF's 4-bit weights quantized a second
 # time): it need not match torch's fp32 drafter, only draft well enough to pay. Its argmax agrees with
 # fp32 on 48% of these short prompts' positions (int8: 96%); a broken export agrees on next to none.
@@ -72,7 +73,12 @@ def references(pipe):
 
 def test_manifests(pipe) -> None:
     t, d = pipe.target.manifest, pipe.drafter.manifest
-    assert (t.precision, t.vocab_size, t.logits_width) == ("fp32", 262145, 262144)
+    assert (t.precision, t.vocab_size, t.logits_width) == ("gguf", 262145, 262144)
+    q = t.quantization
+    assert q["float_matmuls"] == 0 and q["embedding"] == "GatherBlockQuantized, shared with the LM head"
+    assert set(q["weights_by_type"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    # min_step_positions 2: forwards of two or more positions agree bit for bit (plain steps re-feed one)
+    assert t.min_step_positions == 2 and t.validation["max_rel_diff_steps_vs_forward"] == 0.0
     assert d.precision == "int4" and d.vocab_size == 49152
     # Both through the model builder: fused attention with a shared KV buffer.
     assert (t.export_path, t.kv_layout, d.export_path, d.kv_layout) == ("builder", "shared", "builder", "shared")
@@ -103,8 +109,7 @@ def test_engines_match_transformers(pipe, role: str) -> None:
         worst = max(worst, float(np.abs(got - ref).max()) / max(1.0, float(np.abs(ref).max())))
         agree.append(float(np.mean(got.argmax(-1) == ref.argmax(-1))))
     if role == "target":
-        assert worst <= TARGET_RTOL, f"target logits differ from torch by {worst:.2e} (relative)"
-        assert min(agree) == 1.0
+        assert np.mean(agree) >= TARGET_TOP1, f"gguf target argmax agrees with torch on {np.mean(agree):.0%}"
     else:
         assert np.mean(agree) >= DRAFTER_TOP1, (
             f"{side.manifest.precision} drafter argmax agrees with fp32 torch on {np.mean(agree):.0%}")

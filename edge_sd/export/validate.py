@@ -25,9 +25,11 @@ import numpy as np
 # fp32 ONNX vs torch: both run the same float32 graph, differences come from kernel order only.
 TORCH_RTOL_FP32 = 1e-3
 # gguf: the same weights as torch's (the file dequantized), but MatMulNBits quantizes activations to
-# int8 per block; its rounding, compounded over the layers, moves logits by a few percent of their
-# scale on random tokens. A wrong weight moves them by their whole scale: this bound tells the two apart.
-TORCH_RTOL_GGUF = 0.25
+# int8 per block of 32; compounded over the layers, that moves logits by 5-15% of their scale on most
+# random-token positions, and by most of it at a position whose activations have an outlier channel
+# (it flattens the rest of its block). So the figure is recorded, and what is checked is the argmax:
+# a wrong weight leaves next to no agreement with torch, int8 activations most of it.
+TOP1_FLOOR_GGUF = 0.5
 
 
 def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = False, provider: str = "cpu") -> dict:
@@ -72,7 +74,8 @@ def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = Fals
         "max_rel_diff_multi_position": worst["multi"],
         "min_step_positions": min_step,
         "max_rel_diff_steps_vs_forward": consistency,
-        "tolerance_vs_torch": {"fp32": TORCH_RTOL_FP32, "gguf": TORCH_RTOL_GGUF}.get(precision),
+        "tolerance_vs_torch": TORCH_RTOL_FP32 if precision == "fp32" else None,
+        "top1_floor_vs_torch": TOP1_FLOOR_GGUF if precision == "gguf" and not drafter else None,
         "tolerance_cache": cons.CACHE_RTOL,
         # A drafter's forwards need not agree with each other (the verifier uses exactly what it
         # proposed), so a drafter is not held to the cache tolerance; nor is a GPU graph, whose fp16
@@ -81,9 +84,12 @@ def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = Fals
         "cache_checks_required": not drafter and provider == "cpu",
     }
     failures = []
-    bound = result["tolerance_vs_torch"]
+    bound, floor = result["tolerance_vs_torch"], result["top1_floor_vs_torch"]
     if bound is not None and worst["torch"] > bound:
         failures.append(f"logits differ from torch by {worst['torch']:.2e} (relative) > {bound}")
+    if floor is not None and result["top1_agreement_vs_torch"] < floor:
+        failures.append(f"the argmax agrees with torch on {result['top1_agreement_vs_torch']:.0%} of positions, "
+                        f"below {floor:.0%}: the graph does not compute what the file holds")
     if consistency > cons.CACHE_RTOL and result["cache_checks_required"]:
         failures.append(f"a multi-position forward differs from single steps by {consistency:.2e} > {cons.CACHE_RTOL}")
     if failures:
