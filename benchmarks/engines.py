@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from edge_sd.paths import cache_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+CACHE = cache_dir()
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
 VARIANTS = ROOT / "engines" / "variants"
 HF = CACHE / "real" / "hf"

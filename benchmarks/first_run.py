@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 from pathlib import Path
+
+from edge_sd.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
@@ -44,7 +45,7 @@ def main() -> None:
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.pipeline import GenerationConfig, Pipeline
 
-    cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+    cache = cache_dir()
     plist = [p for s in ("code", "summarisation")
              for p in prompt_sets.load(s, cache, args.skip + args.per_set)[args.skip:]]
     plain = Pipeline.from_folder(args.pair / load_pair_manifest(args.pair).target)

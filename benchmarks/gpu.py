@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from edge_sd.bench import report
 from edge_sd.bench.run import BenchOptions
 from edge_sd.bench.run import run as run_loop
 from edge_sd.manifest import PAIR_FILE, load_engine_manifest, load_pair_manifest
+from edge_sd.paths import cache_dir
 
 
 def gpu_name() -> str:
@@ -91,8 +91,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=2, help="runs of the whole loop table (GPU timings are noisy)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("EDGE_SD_CACHE",
-                                                                        Path.home() / ".cache" / "edge-sd")))
+    ap.add_argument("--cache", type=Path, default=cache_dir())
     opts = ap.parse_args()
     if not (opts.pair / PAIR_FILE).is_file():
         ap.error(f"{opts.pair} is not a pair folder (no {PAIR_FILE})")

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import time
 from pathlib import Path
+
+from edge_sd.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
@@ -75,7 +76,7 @@ def main() -> None:
     from edge_sd.export.prune import pruned_copy
     from edge_sd.manifest import load_pair_manifest
 
-    cache = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+    cache = cache_dir()
     fractions = [float(f) for f in args.keep.split(",")]
     drafter = load_pair_manifest(args.pair).drafter
     folders = {f: (args.pair if f == 1.0 else pruned_copy(args.pair, f, cache)) / drafter for f in fractions}

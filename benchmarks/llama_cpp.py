@@ -39,10 +39,11 @@ import numpy as np
 from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.run import machine
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
+from edge_sd.paths import cache_dir
 from edge_sd.pipeline import GenerationConfig, Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path.home() / ".cache" / "edge-sd"
+CACHE = cache_dir()
 # Openings of stories and essays, for continuation (no article or code to copy from).
 PROSE = [
     "The lighthouse keeper had not seen a ship in eleven days when",

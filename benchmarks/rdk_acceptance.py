@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from edge_sd.paths import cache_dir
+
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+CACHE = cache_dir()
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
 OUT = ROOT / "benchmarks" / "results"
 START, END = "<!-- rdk-acceptance:start -->", "<!-- rdk-acceptance:end -->"

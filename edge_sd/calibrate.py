@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sd.disco import DiscoModel, best_threshold, fit_logistic
+from edge_sd.algorithms.base import DrafterState, Proposer
+from edge_sd.disco import RECENT_WEIGHT, DiscoModel, best_threshold, fit_logistic, token_features
 from edge_sd.errors import UsageError
-from edge_sd.lookahead import TraceRecorder
+from edge_sd.lookahead import Plan, StaticSchedule
 from edge_sd.pipeline import GenerationConfig, Pipeline
 
 
@@ -76,3 +77,44 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
         "threshold": model.threshold, "draft_ms_per_token": 1e3 * step,
         "target_ms": {s: 1e3 * c for s, c in target_cost.items()},
     }
+
+
+class TraceRecorder(StaticSchedule):
+    """`edge-sd calibrate`: drafts a fixed k and records every drafted token's features and whether it
+    was accepted (disco.py says how the label is found)."""
+
+    name = "record"
+
+    def __init__(self, proposer: Proposer, k: int, algo: str):
+        super().__init__(proposer, k)
+        self.algo = algo
+        assert proposer.drafter is not None, "calibration records drafter drafts"
+        self.state: DrafterState = proposer.drafter
+        self.state.stopper = self._record
+        self.recent = 0.5
+        self.rounds: list[tuple[list[np.ndarray], list[int]]] = []
+        self.draft_s: list[float] = []  # seconds per drafted token, per round
+        self._features: list[np.ndarray] = []
+        self._ends: list[int] = []
+        self._start = 0
+
+    def _record(self, logits: np.ndarray, position: int) -> bool:
+        self._features.append(token_features(logits, position, self.recent, self.algo))
+        last = self.state.vocab.token_bytes[self.state.ids[-1]] or b""
+        self._ends.append((self._ends[-1] if self._ends else self._start) + len(last))
+        return True
+
+    def plan(self, budget: int) -> Plan:
+        self._features, self._ends = [], []
+        self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
+        return super().plan(budget)
+
+    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
+                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+        if not self._features:
+            return
+        labels = [int(end <= accepted_bytes) for end in self._ends]
+        self.rounds.append((self._features, labels))
+        self.draft_s.append(draft_s / len(self._features))
+        if proposed:
+            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)

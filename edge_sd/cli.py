@@ -11,11 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-import typer
-from rich.console import Console
-from rich.table import Table
+try:
+    import typer
+    from rich.console import Console
+    from rich.table import Table
+except ImportError as e:  # the runtime alone (pip install edge-sd) has no command line
+    raise SystemExit(f"edge-sd's command line needs its extra: pip install 'edge-sd[cli]' ({e})") from None
 
 from edge_sd.errors import EdgeSDError, UsageError
+from edge_sd.paths import cache_dir
 
 # Help texts write defaults as \[default]: rich markup would take a bare [default] for a tag and drop it.
 app = typer.Typer(
@@ -124,7 +128,7 @@ def export(
 
 def _cache() -> Path:
     """Where downloads and prompt sets are kept between runs."""
-    return Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+    return cache_dir()
 
 
 def _print_export_summary(summary: dict) -> None:
@@ -221,6 +225,75 @@ def generate(
         sys.stdout.write("\n")
         sys.stdout.flush()
         err.print(result.stats.line(), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def chat(
+    folder: Path = typer.Argument(..., help="Pair folder or single-engine folder (with a chat template)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Tokens per reply at most."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same conversation."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|plain|slem|tli|slrs|rdk|lookup|standard."),
+    provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
+) -> None:
+    """Chat in the terminal: each line you type is a user turn; the reply streams, then its statistics.
+
+    The conversation continues on one generator: each turn prefills only what is new. /reset starts a
+    new conversation. Ctrl-C ends the reply in progress; Ctrl-C at the prompt, or Ctrl-D, ends the
+    session. Lines piped on stdin are turns too.
+
+    Examples:
+
+      edge-sd chat engines/gemma3-270m_smollm2-135m
+
+      printf 'Name three colors\nAnd three animals\n' | edge-sd chat engines/pair -n 64
+    """
+    with _errors():
+        from edge_sd.model import Model
+        from edge_sd.pipeline import GenerationConfig
+
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, algorithm=algorithm).check()
+        model = Model.load(folder, provider=provider, threads=threads)
+        if not model.target.manifest.chat_template:
+            raise UsageError(f"{folder} has no chat template: use `edge-sd generate`")
+        for note in model.notes:
+            err.print(f"note: {note}")
+        interactive = sys.stdin.isatty()
+        gen = model.generator(cfg)
+        if interactive:
+            err.print("chat: /reset starts anew, Ctrl-C ends a reply, Ctrl-D ends the session", highlight=False)
+        while True:
+            try:
+                line = input("> ") if interactive else sys.stdin.readline()
+            except (EOFError, KeyboardInterrupt):
+                break
+            if not interactive and not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip() == "/reset":
+                gen = model.generator(cfg)
+                err.print("(new conversation)")
+                continue
+            if not line.strip():
+                continue
+            gen.append_chat(line)
+            stopped = False
+            try:
+                while not gen.is_done:
+                    sys.stdout.write(gen.generate_next_tokens().text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                sys.stdout.write(gen.stop().text)
+                stopped = True
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            s = gen.stats
+            err.print(("[stopped] " if stopped else "") + f"{s.line()} | prefilled {s.prefilled_tokens} of "
+                      f"{s.prompt_tokens}", highlight=False, soft_wrap=True)
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -222,9 +222,14 @@ class CostSchedule:
     name = "cost"
 
     def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
-                 draft_cost: dict[str, float], greedy: bool = False, catch_up: float = 0.0):
-        """catch_up: seconds of each position a drafter forward feeds beyond its first."""
+                 draft_cost: dict[str, float], greedy: bool = False, catch_up: float = 0.0,
+                 learn_costs: bool = True):
+        """catch_up: seconds of each position a drafter forward feeds beyond its first.
+
+        learn_costs: follow the rounds' timings (else the costs given stay as they are, and the plan
+        depends on the rounds' acceptance alone: what a seeded generation needs to be reproducible)."""
         self.k_max = k_max
+        self.learn_costs = learn_costs
         self.depth_optimism = OPTIMISM if greedy else 0.0
         self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
         self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
@@ -345,9 +350,10 @@ class CostSchedule:
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         s = proposed + 1
-        if s in self.target_cost:
-            self.target_cost[s].add(target_s)
-        self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
+        if self.learn_costs:
+            if s in self.target_cost:
+                self.target_cost[s].add(target_s)
+            self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
         proposer = plan.proposer if proposed else None  # a round that proposed nothing was a plain step
         key = f"{self._algo_of[id(proposer)]}:{proposed}" if proposer is not None else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
@@ -358,9 +364,10 @@ class CostSchedule:
         # plain steps): that cost is paid once whatever the draft length, so it must not make every
         # later draft look dearer.
         caught_up = proposer.drafter.catch_up_s if proposer.drafter is not None else 0.0
-        self.draft_cost[algo].add(max(0.0, draft_s - caught_up) / proposed)
-        if self._behind:
-            self.catch_up.add(caught_up / self._behind)
+        if self.learn_costs:
+            self.draft_cost[algo].add(max(0.0, draft_s - caught_up) / proposed)
+            if self._behind:
+                self.catch_up.add(caught_up / self._behind)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
@@ -456,44 +463,3 @@ class ConfidenceSchedule(StoppedSchedule):
 
     def summary(self) -> dict:
         return {**self.inner.summary(), **self.cut.summary()}
-
-
-class TraceRecorder(StaticSchedule):
-    """`edge-sd calibrate`: drafts a fixed k and records every drafted token's features and whether it
-    was accepted (disco.py says how the label is found)."""
-
-    name = "record"
-
-    def __init__(self, proposer: Proposer, k: int, algo: str):
-        super().__init__(proposer, k)
-        self.algo = algo
-        assert proposer.drafter is not None, "calibration records drafter drafts"
-        self.state: DrafterState = proposer.drafter
-        self.state.stopper = self._record
-        self.recent = 0.5
-        self.rounds: list[tuple[list[np.ndarray], list[int]]] = []
-        self.draft_s: list[float] = []  # seconds per drafted token, per round
-        self._features: list[np.ndarray] = []
-        self._ends: list[int] = []
-        self._start = 0
-
-    def _record(self, logits: np.ndarray, position: int) -> bool:
-        self._features.append(token_features(logits, position, self.recent, self.algo))
-        last = self.state.vocab.token_bytes[self.state.ids[-1]] or b""
-        self._ends.append((self._ends[-1] if self._ends else self._start) + len(last))
-        return True
-
-    def plan(self, budget: int) -> Plan:
-        self._features, self._ends = [], []
-        self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
-        return super().plan(budget)
-
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        if not self._features:
-            return
-        labels = [int(end <= accepted_bytes) for end in self._ends]
-        self.rounds.append((self._features, labels))
-        self.draft_s.append(draft_s / len(self._features))
-        if proposed:
-            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)

@@ -13,9 +13,10 @@ class Stats:
     counted apart (prefill_s), so tokens_per_target_forward is new tokens per verification forward.
     """
 
-    algorithm: str = "ar"
+    algorithm: str = "plain"
     lookahead: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the sequence before the reply (a conversation's earlier turns included)
+    prefilled_tokens: int = 0  # of those, fed at the start of the reply (the rest was cached already)
     new_tokens: int = 0
     target_forwards: int = 0
     drafter_forwards: int = 0
@@ -65,7 +66,7 @@ class Stats:
             f"{self.new_tokens} tokens in {self.wall_s:.2f}s ({self.tokens_per_second:.1f} tok/s)",
             f"{self.target_forwards} target fwd ({self.tokens_per_target_forward:.2f} tok/fwd)",
         ]
-        if self.algorithm != "ar":
+        if self.algorithm != "plain":
             parts.append(f"k={self.lookahead} accept {self.acceptance_rate:.0%} ({self.accepted}/{self.proposed})")
             parts.append(f"{self.drafter_forwards} drafter fwd")
             rounds = self.schedule.get("rounds")

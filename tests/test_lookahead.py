@@ -329,7 +329,7 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
     plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
     first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
-    sched = pipe._cost_schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup"))]  # greedy, the longest draft 6
+    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup"))][0]  # greedy, the longest draft 6
     kept = sched.catch_up.value
     try:
         sched.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that

@@ -39,6 +39,11 @@ class ScriptedEngine:
             sliding_window=None, model_file="m", tokenizer_file="t", input_names=[], output_names=[])
         self.n_cached = 0
         self.calls = 0
+        self.min_step, self.forward_count, self.forward_time = 1, 0, 0.0
+
+    @property
+    def cached_ids(self) -> np.ndarray:
+        return np.zeros(self.n_cached, dtype=np.int64)  # not recorded: these tests read no cached ids
 
     def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
         self.n_cached += len(ids)

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from edge_sd import GenerationConfig, Pipeline
+from edge_sd.paths import cache_dir
 
 from test_lossless import assert_same_or_near_tie, is_exact, plain_greedy
 
 pytestmark = pytest.mark.real
 
-CACHE = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+CACHE = cache_dir()
 PAIR = Path(os.environ.get("EDGE_SD_REAL_PAIR", CACHE / "pairs" / "gemma3-270m_smollm2-135m"))
 HF = CACHE / "real" / "hf"
 PROMPTS = [

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edge_sd.paths import cache_dir
 from edge_sd.vocab import Vocab, build_maps, same_vocabulary, utf8_complete
 
-CACHE = Path(os.environ.get("EDGE_SD_CACHE", Path.home() / ".cache" / "edge-sd"))
+CACHE = cache_dir()
 TOKENIZERS = {
     "gemma3": CACHE / "tokenizers" / "gemma3" / "tokenizer.json",
     "llama3": CACHE / "tokenizers" / "llama3" / "tokenizer.json",

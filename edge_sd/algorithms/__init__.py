@@ -7,9 +7,9 @@ from edge_sd.algorithms.slem import SLEMProposer, verify_exact
 from edge_sd.algorithms.slrs import SLRSProposer
 from edge_sd.algorithms.standard import MappedProposer, TLIProposer, verify_greedy, verify_standard
 
-# "ar" is plain autoregressive decoding of the target; "auto" is resolved by the pipeline; "lookup"
-# drafts from the text itself (no drafter needed).
-ALGORITHMS = ("auto", "ar", "standard", "slem", "tli", "slrs", "rdk", "lookup")
+# "plain" is plain autoregressive decoding of the target (the reference); "auto" chooses per round
+# (generator.py); "lookup" drafts from the text itself (no drafter needed).
+ALGORITHMS = ("auto", "plain", "standard", "slem", "tli", "slrs", "rdk", "lookup")
 
 __all__ = [
     "ALGORITHMS", "Draft", "DrafterState", "Kernel", "LookupProposer", "RDKProposer", "MappedProposer", "Proposer",

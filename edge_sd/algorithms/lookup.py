@@ -81,6 +81,3 @@ class LookupProposer:
 
     def propose(self, k: int, committed: list[int]) -> Draft:
         return Draft(self._continuation(k), None)
-
-    def sync(self, generated: bytes) -> None:
-        pass  # the history is the decoder's own list

@@ -123,6 +123,3 @@ class RDKProposer:
         for d in ids:
             self.drafter.push(d)
         return True
-
-    def sync(self, generated: bytes) -> None:
-        self.drafter.sync(generated)

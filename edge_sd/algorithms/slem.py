@@ -83,6 +83,3 @@ class SLEMProposer:
                 break
         text = text[healed:]
         return Draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)
-
-    def sync(self, generated: bytes) -> None:
-        self.drafter.sync(generated)

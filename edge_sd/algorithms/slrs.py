@@ -64,6 +64,3 @@ class SLRSProposer:
             if t < 0 or t in self.eos:
                 break  # "none" is never accepted, and nothing follows EOS
         return Draft(cands, np.stack(rows) if rows else None)
-
-    def sync(self, generated: bytes) -> None:
-        self.drafter.sync(generated)

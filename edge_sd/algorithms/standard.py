@@ -85,8 +85,6 @@ class MappedProposer:
                 break
         return Draft(cands, np.stack(rows) if rows else None)
 
-    def sync(self, generated: bytes) -> None:
-        self.drafter.sync(generated)
 
 
 class TLIProposer(MappedProposer):

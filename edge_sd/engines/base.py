@@ -10,8 +10,20 @@ from edge_sd.manifest import EngineManifest
 
 
 class Engine(Protocol):
+    """Everything the decoding loop, the drafter state and the checks read or set on an engine."""
+
     manifest: EngineManifest
     n_cached: int  # positions held in the KV cache
+    # Every forward feeds at least this many positions (re-feeding cached ones), so that all forwards
+    # run the same kernels (manifest `min_step_positions`); consistency checks set it.
+    min_step: int
+    forward_count: int  # forwards run so far
+    forward_time: float  # seconds spent in them
+
+    @property
+    def cached_ids(self) -> np.ndarray:
+        """The ids at the cached positions, in order."""
+        ...
 
     def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
         """Feed ids [s] after the cached positions and cache them; returns the logits [n, V] of the

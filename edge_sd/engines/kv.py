@@ -2,8 +2,9 @@
 
 Both take the engine's one IO binding and keep the cache on the engine's device. `ensure(total, keep)`
 makes room for `total` positions keeping the first `keep`; `bind_past(start)` binds what a call with
-`start` cached positions reads; `after_run(outputs)` takes what it wrote; `truncate(n)` drops all but
-the first n positions.
+`start` cached positions reads and returns the names of the outputs it bound, in binding order;
+`after_run(outputs)` takes what it wrote (outputs by name); `truncate(n)` drops all but the first n
+positions.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ class ConcatKV:
     def ensure(self, total: int, keep: int) -> None:
         pass  # each call allocates its own present tensors
 
-    def bind_past(self, start: int) -> None:
+    def bind_past(self, start: int) -> list[str]:
         for (k_name, v_name), (k, v) in zip(self._past, self._cache, strict=True):
             self._io.bind_ortvalue_input(k_name, k)
             self._io.bind_ortvalue_input(v_name, v)
         for k_name, v_name in self._present:
             self._io.bind_output(k_name, self._device)
             self._io.bind_output(v_name, self._device)
+        return [name for pair in self._present for name in pair]
 
-    def after_run(self, outputs: list) -> None:
-        self._cache = [(outputs[1 + 2 * i], outputs[2 + 2 * i]) for i in range(len(self._cache))]
+    def after_run(self, outputs: dict[str, Any]) -> None:
+        self._cache = [(outputs[k], outputs[v]) for k, v in self._present]
 
     def truncate(self, n: int) -> None:
         if n == 0:
@@ -107,10 +109,10 @@ class SharedKV:
             # Doubling keeps the number of regrowths (each a copy) logarithmic in the length.
             self._allocate(min(self._m.max_context, max(total, 2 * self.capacity)), keep)
 
-    def bind_past(self, start: int) -> None:
-        pass  # bound once, in _allocate
+    def bind_past(self, start: int) -> list[str]:
+        return []  # bound once, in _allocate (a bound OrtValue is not returned again)
 
-    def after_run(self, outputs: list) -> None:
+    def after_run(self, outputs: dict[str, Any]) -> None:
         pass  # written in place
 
     def truncate(self, n: int) -> None:

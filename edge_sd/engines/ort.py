@@ -23,15 +23,10 @@ DEFAULT_CAPACITY = 1024
 SPIN = ("always", "run", "never")
 
 
-class OrtEngine:
-    """One exported decoder driven through ONNX Runtime IO binding.
-
-    The KV cache never crosses into numpy per step: a concat-layout graph's `present.*` values are
-    bound back as the next call's past; a shared-layout graph writes into one buffer per layer that is
-    bound as both past and present, so a step writes only its new positions and cutting the cache back
-    is a change of length. Every forward covers at least `min_step_positions` positions (re-feeding
-    cached ones), so that all forwards run the same kernels (manifest, `min_step_positions`).
-    """
+class OrtSession:
+    """One exported decoder loaded into ONNX Runtime: the session and what drives it, immutable after
+    load. Safe to share between threads (ONNX Runtime runs a session from several at once); each
+    request drives it through an `OrtEngine` of its own (its IO binding and KV cache)."""
 
     def __init__(
         self,
@@ -40,7 +35,6 @@ class OrtEngine:
         threads: int | None = None,
         verify_files: bool = False,
         spin: str = "always",
-        capacity: int | None = None,
         min_step_positions: int | None = None,
     ):
         """spin: when ONNX Runtime's worker threads spin (busy-wait) for work. "always": also between
@@ -48,10 +42,10 @@ class OrtEngine:
         ms/token). "run": inside a run only, between its many small kernels, stopping as it returns
         (`session.force_spinning_stop`): for a target and a drafter that take turns, where one
         session's threads spinning between runs steal the cores the other runs on. "never": not at all
-        (what pairs did before "run"; `benchmarks/spin.py` compares the three).
+        (`benchmarks/spin.py` compares the three).
 
-        capacity: initial KV positions of a shared-layout cache. min_step_positions: override the
-        manifest's (1 for a drafter, whose forwards need not agree with each other).
+        min_step_positions: override the manifest's (1 for a drafter, whose forwards need not agree
+        with each other).
         """
         self.folder = Path(folder)
         self.manifest: EngineManifest = load_engine_manifest(self.folder)
@@ -74,9 +68,10 @@ class OrtEngine:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # optimum's graphs are standard ONNX and run anywhere; the builder makes a graph for one device.
         names = resolve_providers(provider, cpu_only=m.export_path == "builder" and m.device == "cpu")
-        cap = min(m.max_context, max(capacity or DEFAULT_CAPACITY, m.sliding_window or 0))
+        self.capacity = min(m.max_context, max(DEFAULT_CAPACITY, m.sliding_window or 0))
         chosen: list = [
-            (n, tensorrt_options(m, self.folder, cap if m.kv_layout == "shared" else m.max_context, m.max_context))
+            (n, tensorrt_options(m, self.folder, self.capacity if m.kv_layout == "shared" else m.max_context,
+                                 m.max_context))
             if n == PROVIDERS["tensorrt"] else n for n in names
         ]
         try:
@@ -91,32 +86,16 @@ class OrtEngine:
         missing = [n for n in m.input_names if n not in inputs]
         if missing:
             raise ArtifactError(f"{self.folder}: model lacks inputs named in the manifest: {missing}")
-        kv_dtype = _NP_DTYPES.get(inputs[m.past_key_template.format(i=0)].type, np.float32)
+        self.kv_dtype = _NP_DTYPES.get(inputs[m.past_key_template.format(i=0)].type, np.float32)
         self.device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
-        self._io = self.session.io_binding()
-        # Logits are bound first so that they are always output 0, whatever the cache binds.
-        self._io.bind_output("logits", "cpu")
-        kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
-        self._kv = kv_class(m, self._io, self.device, kv_dtype, cap)
-        # Inputs are slices of these: no per-step allocation of masks and positions.
-        self._ones = np.ones((1, m.max_context), dtype=np.int64)
-        self._positions = np.arange(m.max_context, dtype=np.int64)[None]
-        self._fed = np.zeros(m.max_context, dtype=np.int64)  # the id at each cached position
         # A graph with `logits_to_keep` (export/logits.py) computes the LM head for the positions asked.
-        self._keep = np.zeros(1, dtype=np.int64) if KEEP_INPUT in inputs else None
-        if self._keep is not None:  # bound as an OrtValue sharing _keep's memory: an input with a
-            # default is not in the list `bind_cpu_input` checks names against
-            self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
-            self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
-        self.forward_count = 0
-        self.forward_time = 0.0
-        self.n_cached = 0
+        self.keeps_logits = KEEP_INPUT in inputs
         # min_step_positions was measured where the export validated the graph; on another provider
         # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
         # again here, in a few dozen forwards (engines/consistency.py).
         self.consistency: dict | None = None
         if min_step_positions is None and m.validation.get("provider", "cpu") != self.device:
-            self.consistency = check_consistency(self)
+            self.consistency = check_consistency(self.engine())
             self.min_step = self.consistency["min_step_positions"]
             worst = max(self.consistency["single"], self.consistency["multi"])
             if worst > BROKEN_RTOL:  # rounding moves logits by 1e-6..1e-2 of their scale; this is not that
@@ -126,10 +105,89 @@ class OrtEngine:
                     f"of the logits' scale: its results would be wrong here{advice}"
                 )
 
+    def engine(self, capacity: int | None = None) -> OrtEngine:
+        """A new engine over this session: an empty KV cache of its own."""
+        return OrtEngine(self, capacity=capacity)
+
+
+class OrtEngine:
+    """One request's view of an exported decoder: an IO binding and a KV cache of its own, over a
+    session that may be shared (`OrtSession.engine`; `OrtEngine(folder, ...)` loads one of its own).
+
+    The KV cache never crosses into numpy per step: a concat-layout graph's `present.*` values are
+    bound back as the next call's past; a shared-layout graph writes into one buffer per layer that is
+    bound as both past and present, so a step writes only its new positions and cutting the cache back
+    is a change of length. Every forward covers at least `min_step` positions (re-feeding cached
+    ones), so that all forwards run the same kernels (manifest, `min_step_positions`).
+    """
+
+    def __init__(
+        self,
+        source: Path | str | OrtSession,
+        provider: str = "auto",
+        threads: int | None = None,
+        verify_files: bool = False,
+        spin: str = "always",
+        capacity: int | None = None,
+        min_step_positions: int | None = None,
+    ):
+        """source: a session, or an engine folder to load one from (with the other arguments, as
+        OrtSession takes them). capacity: initial KV positions of a shared-layout cache."""
+        if not isinstance(source, OrtSession):
+            source = OrtSession(Path(source), provider, threads, verify_files, spin, min_step_positions)
+        self.shared = source
+        self.manifest: EngineManifest = source.manifest
+        self.min_step = source.min_step
+        m = self.manifest
+        self._io = source.session.io_binding()
+        # Logits are bound first, so that they are always the first output.
+        self._io.bind_output("logits", "cpu")
+        cap = min(m.max_context, max(capacity or source.capacity, m.sliding_window or 0))
+        kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
+        self._kv = kv_class(m, self._io, source.device, source.kv_dtype, cap)
+        # Inputs are slices of these: no per-step allocation of masks and positions.
+        self._ones = np.ones((1, m.max_context), dtype=np.int64)
+        self._positions = np.arange(m.max_context, dtype=np.int64)[None]
+        self._fed = np.zeros(m.max_context, dtype=np.int64)  # the id at each cached position
+        self._keep = np.zeros(1, dtype=np.int64) if source.keeps_logits else None
+        if self._keep is not None:  # bound as an OrtValue sharing _keep's memory: an input with a
+            # default is not in the list `bind_cpu_input` checks names against
+            self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
+            self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
+        self.forward_count = 0
+        self.forward_time = 0.0
+        self.n_cached = 0
+
+    # What the shared session holds, read through the engine.
+    @property
+    def session(self) -> ort.InferenceSession:
+        return self.shared.session
+
+    @property
+    def providers(self) -> list[str]:
+        return self.shared.providers
+
+    @property
+    def device(self) -> str:
+        return self.shared.device
+
+    @property
+    def consistency(self) -> dict | None:
+        return self.shared.consistency
+
+    @property
+    def folder(self) -> Path:
+        return self.shared.folder
+
     @property
     def capacity(self) -> int:
         """Positions the cache holds without growing (max_context for the concat layout)."""
         return self._kv.capacity
+
+    @property
+    def cached_ids(self) -> np.ndarray:
+        """The ids at the cached positions, in order (a view: copy it to keep it)."""
+        return self._fed[: self.n_cached]
 
     def reserve(self, n: int) -> None:
         """Make room for n cached positions now, so that the cache does not grow during a generation."""
@@ -168,12 +226,12 @@ class OrtEngine:
             # The LM head too runs over at least min_step rows: a quantized head's single-row kernel
             # rounds otherwise, and a plain step would not compute what a verification forward does.
             self._keep[0] = max(n, min(self.min_step, len(ids)))
-        self._kv.bind_past(start)
+        names = ["logits", *self._kv.bind_past(start)]
         io.bind_output("logits", "cpu")
-        self.session.run_with_iobinding(io)
-        out = io.get_outputs()
+        self.shared.session.run_with_iobinding(io)
+        out = dict(zip(names, io.get_outputs(), strict=False))
         self._kv.after_run(out)
-        logits = out[0].numpy()[0, -n:]  # [n, V]
+        logits = out["logits"].numpy()[0, -n:]  # [n, V]
         self._fed[start:total] = ids
         self.n_cached = total
         self.forward_count += 1

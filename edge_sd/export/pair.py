@@ -9,6 +9,7 @@ from edge_sd.errors import UsageError
 from edge_sd.export.atomic import atomic_folder
 from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
+from edge_sd.paths import cache_dir
 from edge_sd.vocab import Vocab, build_maps, same_vocabulary
 
 MAPS_FILE = "maps.npz"
@@ -67,7 +68,7 @@ def export(
             from edge_sd.export.prune import corpus_texts, prune_pair
 
             with step(f"drafter vocabulary pruned to {vocab_keep:g}, RDK kernel"):
-                stats |= prune_pair(tmp, vocab_keep, corpus_texts(corpus, cache or Path.home() / ".cache" / "edge-sd"))
+                stats |= prune_pair(tmp, vocab_keep, corpus_texts(corpus, cache or cache_dir()))
         summary["pair"] = stats
     return summary
 

@@ -1,0 +1,322 @@
+"""Loading an artifact folder: the Model every request of an app shares.
+
+A Model holds what does not change while it serves requests: both engines' ONNX Runtime sessions,
+tokenizers, vocabulary maps, RDK's kernel, DISCO's classifier and the engines' measured costs. It is
+loaded once and safe to share between threads; each request runs on a Generator of its own
+(generator.py), which owns what a request changes (KV caches, drafter state, schedule, random
+generator, statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from edge_sd.algorithms.rdk import Kernel
+from edge_sd.config import GenerationConfig
+from edge_sd.disco import DiscoModel
+from edge_sd.engines.ort import OrtEngine, OrtSession
+from edge_sd.errors import ArtifactError, UsageError
+from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
+from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
+
+# The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
+# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS.
+CALIBRATION_CONTEXT = 64
+CALIBRATION_REPEATS = 3
+# Written by `edge-sd calibrate`: the costs measured there, which seeded generations plan with.
+COSTS_FILE = "costs.json"
+
+
+class Costs(NamedTuple):
+    """What the engines cost: seconds of a target forward over s positions (s -> s), of a one-position
+    drafter step, and of each position a drafter forward feeds beyond its first (catching up: the
+    prompt, or the tokens committed during plain steps)."""
+
+    target: dict[int, float]
+    step: float
+    position: float
+
+    def extended(self, k_max: int) -> Costs:
+        """Target costs for s = 1..k_max+1, linear beyond the largest measured."""
+        last = max(self.target)
+        slope = (self.target[last] - self.target[1]) / max(1, last - 1)
+        return self._replace(target={s: self.target.get(s, self.target[1] + slope * (s - 1))
+                                     for s in range(1, k_max + 2)})
+
+    def to_json(self) -> dict:
+        return {"target": {str(s): c for s, c in self.target.items()}, "step": self.step, "position": self.position}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Costs:
+        return cls({int(s): float(c) for s, c in data["target"].items()}, float(data["step"]), float(data["position"]))
+
+
+class Side:
+    """One engine's session with its tokenizer.
+
+    A drafter runs every forward at its natural size: its forwards need not agree with each other,
+    only with what it proposes, so it skips the target's `min_step_positions` re-feeding.
+    """
+
+    def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
+                 drafter: bool = False):
+        self.session = OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
+                                  min_step_positions=1 if drafter else None)
+        self.manifest: EngineManifest = self.session.manifest
+        self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
+        self.kept = _kept_ids(folder, self.manifest, self.vocab.size)
+        self._engine: OrtEngine | None = None
+
+    @property
+    def engine(self) -> OrtEngine:
+        """An engine of this side's own, for direct use (checks, benchmarks); generators make theirs."""
+        if self._engine is None:
+            self._engine = self.session.engine()
+        return self._engine
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        """The ids of a prompt (rendered as one user turn with `chat`), BOS first where the model takes one."""
+        text = render_chat(self.manifest, [{"role": "user", "content": prompt}]) if chat else prompt
+        return self.with_bos(self.vocab.encode_text(text))
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        m = self.manifest
+        if m.add_bos and m.bos_token_id is not None and (not ids or ids[0] != m.bos_token_id):
+            return [m.bos_token_id] + ids
+        return ids
+
+
+def render_chat(m: EngineManifest, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """Apply the engine's chat template (jinja2, as Hugging Face's templates are written)."""
+    if not m.chat_template:
+        raise UsageError(f"{m.name} has no chat template; drop --chat")
+    try:
+        import jinja2
+    except ImportError:
+        raise UsageError("chat templates need jinja2: pip install 'edge-sd[chat]'") from None
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg: str) -> None:
+        raise UsageError(f"chat template: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    specials = {"bos_token": "", "eos_token": ""}
+    return env.from_string(m.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                   **specials)
+
+
+class Model:
+    """A target engine and, for a pair folder, a drafter engine with the vocabulary maps.
+
+    Example:
+        >>> model = Model.load("engines/gemma3-270m_smollm2-135m")
+        >>> gen = model.generator(GenerationConfig(max_new_tokens=32))
+        >>> gen.append_text("Once upon a time")
+        >>> while not gen.is_done:
+        ...     print(gen.generate_next_tokens().text, end="")
+    """
+
+    def __init__(self, target: Side, drafter: Side | None = None, maps: VocabMaps | None = None,
+                 same_vocab: bool = False, notes: list[str] | None = None, folder: Path | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.maps = maps
+        self.same_vocab = same_vocab
+        self.notes = notes or []
+        self.folder = folder
+        self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
+        self.kernel: Kernel | None = None  # RDK's kernel M (export --drafter-vocab-keep)
+        self._costs: Costs | None = None  # measured by costs()
+        self._lock = threading.Lock()
+        # Cost schedules of earlier unseeded generations, by sampling mode and algorithms: a new
+        # generation borrows one, so that it starts from what earlier texts taught (generator.py).
+        self._schedules: dict[tuple, list[Any]] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None, verify: bool = False) -> Model:
+        """Load a pair folder (pair.json) or a single engine folder (engine.json)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
+        if (folder / PAIR_FILE).is_file():
+            pm = load_pair_manifest(folder)
+            # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
+            target = Side(folder / pm.target, provider, threads, verify, spin="run")
+            drafter = Side(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
+            maps, notes = _load_maps(folder, pm, target, drafter)
+            model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)
+            model.disco = DiscoModel.load(folder)
+            model.kernel = Kernel.load(folder / pm.rdk_file) if pm.rdk_file else None
+            return model
+        if (folder / ENGINE_FILE).is_file():
+            return cls(Side(folder, provider, threads, verify), folder=folder)
+        raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
+
+    # Kept under its earlier name: Pipeline.from_folder.
+    from_folder = load
+
+    def generator(self, config: GenerationConfig | None = None) -> Any:
+        """A new request on this model (generator.Generator)."""
+        from edge_sd.generator import Generator
+
+        return Generator(self, config)
+
+    def resolve_algorithm(self, cfg: GenerationConfig) -> str:
+        """The algorithm a configuration runs (auto on a single engine: plain steps and prompt lookup)."""
+        algo = cfg.check().algorithm
+        if algo in ("auto", "plain", "lookup"):
+            return algo
+        if self.drafter is None:
+            raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
+        if algo == "rdk" and self.kernel is None:
+            raise UsageError("--algorithm rdk needs the pair's RDK kernel: export the pair with --drafter-vocab-keep")
+        if algo == "standard" and not self.same_vocab:
+            raise UsageError(
+                "--algorithm standard needs one vocabulary for target and drafter; these differ "
+                "(use slem, tli or slrs)"
+            )
+        return algo
+
+    def candidates(self, algo: str, greedy: bool = False) -> tuple[str, ...]:
+        """The algorithms a resolved algorithm drafts with. auto: `standard` for a shared vocabulary;
+        across vocabularies SLEM alone in greedy decoding, TLI and SLRS (and RDK on a pair with a
+        kernel) when sampling; prompt lookup on every menu.
+
+        Greedy, every rule accepts a candidate exactly when it is the target's argmax, and SLEM's
+        candidates are the target's own tokenization of the drafter's greedy text, which TLI (drafting
+        from the shared tokens only) and SLRS (proposing prefixes of the drafter's tokens) approximate.
+        Sampling, SLEM's candidate is accepted only when the target samples the drafter's greedy text
+        exactly, TLI's and SLRS's with min(1, p/q). Measured on both pairs here, SLEM was accepted more
+        than the other two at every k greedy and less at every k sampling (T=1); side by side, auto
+        weighing all three ran at 1.21x plain decoding greedy (mean of 32 generations; median 1.20x)
+        against 1.29x (1.25x) with SLEM alone, and sampling at medians of 0.98x and 1.01x (two passes of
+        16 generations) against 1.02x and 1.05x without SLEM: exploring the weaker ones costs and never
+        finds them better."""
+        if algo == "plain":
+            return ()
+        if algo != "auto":
+            return (algo,)
+        # Prompt lookup costs no forward: it is on every menu, taken where the text repeats itself.
+        if self.drafter is None:
+            return ("lookup",)
+        if self.same_vocab:
+            return ("standard", "lookup")
+        if greedy:
+            return ("slem", "lookup")
+        return ("tli", "slrs", "rdk", "lookup") if self.kernel is not None else ("tli", "slrs", "lookup")
+
+    def costs(self, k_max: int) -> Costs:
+        """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught
+        up, measured once on engines of their own (the cost schedule then follows live timings)."""
+        with self._lock:
+            if self._costs is None:
+                self._costs = self._measure(k_max)
+        return self._costs.extended(k_max)
+
+    def fixed_costs(self, k_max: int) -> Costs:
+        """Costs that do not depend on this run's timings, for seeded generations: those `edge-sd
+        calibrate` measured and stored in the pair folder, else ones derived from the engines' sizes
+        (a CPU decodes at a rate set by the bytes it reads: a drafter step costs the target's forward
+        times the ratio of their weights)."""
+        path = self.folder / COSTS_FILE if self.folder is not None else None
+        if path is not None and path.is_file():
+            try:
+                return Costs.from_json(json.loads(path.read_text(encoding="utf-8"))).extended(k_max)
+            except (ValueError, KeyError, TypeError):
+                self.notes.append(f"{path} unreadable: seeded generations plan from the engines' sizes")
+        target_bytes = sum(f.bytes for f in self.target.manifest.files)
+        # One step is the unit; a forward over s positions, 1% more a position (the measured pairs
+        # here: 1-3%).
+        target = {s: 1.0 + 0.01 * (s - 1) for s in range(1, k_max + 2)}
+        if self.drafter is None:
+            return Costs(target, 0.0, 0.0)
+        ratio = sum(f.bytes for f in self.drafter.manifest.files) / max(1, target_bytes)
+        return Costs(target, ratio, ratio / 10)
+
+    def _measure(self, k_max: int) -> Costs:
+        t = self.target.session.engine()
+        span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
+        t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
+        # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
+        # (Gemma-3-270M int4 on CUDA: ~30 ms against 3), and a size first met mid-generation would
+        # teach the cost model that drafting costs ten times what it does.
+        _median_forward(t, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
+        one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
+                                                                                      CALIBRATION_CONTEXT, span)
+        step = fill = 0.0  # no drafter (prompt lookup alone): no drafter forwards to pay
+        if self.drafter is not None:
+            d = self.drafter.session.engine()
+            d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
+            step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
+            # A prompt's worth of positions at once (once untimed, once timed): from it alone auto
+            # judges whether a generation's first draft gains back the drafter's prompt, until one has.
+            fill = _median_forward(d, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
+        return Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
+                     step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
+
+    def borrow_schedule(self, key: tuple) -> Any | None:
+        """A cost schedule an earlier generation left for this key (None: none free)."""
+        with self._lock:
+            free = self._schedules.get(key)
+            return free.pop() if free else None
+
+    def return_schedule(self, key: tuple, schedule: Any) -> None:
+        with self._lock:
+            self._schedules.setdefault(key, []).append(schedule)
+
+
+def _load_maps(folder: Path, pm: Any, target: Side, drafter: Side) -> tuple[VocabMaps, list[str]]:
+    """Load the pair's vocabulary maps, rebuilding them (and saying so) when missing or stale."""
+    notes: list[str] = []
+    t_sha = sha256_file(folder / pm.target / target.manifest.tokenizer_file)
+    d_sha = sha256_file(folder / pm.drafter / drafter.manifest.tokenizer_file)
+    path = folder / pm.maps_file if pm.maps_file else None
+    fresh = t_sha == pm.target_tokenizer_sha256 and d_sha == pm.drafter_tokenizer_sha256
+    if path is not None and path.is_file() and fresh:
+        try:
+            return VocabMaps.load(path), notes
+        except Exception as e:  # a damaged maps file is rebuilt, not fatal
+            notes.append(f"vocabulary maps in {path} unreadable ({e}); rebuilt them")
+    else:
+        why = "missing" if path is None or not path.is_file() else "stale (tokenizers changed)"
+        notes.append(f"vocabulary maps {why}; rebuilt them in memory")
+    return build_maps(drafter.vocab, target.vocab), notes
+
+
+def _kept_ids(folder: Path, m: EngineManifest, size: int) -> np.ndarray | None:
+    """A pruned LM head's drafter ids (manifest `kept_ids_file`), checked against the logits width."""
+    if not m.kept_ids_file:
+        return None
+    try:
+        kept = np.load(folder / m.kept_ids_file).astype(np.int64)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{folder / m.kept_ids_file}: unreadable ({e})") from None
+    if kept.ndim != 1 or len(kept) != m.logits_width or (kept < 0).any() or (kept >= size).any():
+        raise ArtifactError(f"{folder / m.kept_ids_file}: expected {m.logits_width} drafter ids below {size}")
+    return kept
+
+
+def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, sizes: int | range,
+                    repeats: int = CALIBRATION_REPEATS) -> float:
+    """Median seconds of a forward over s positions after `context` cached ones (sizes: one s, or
+    several, each run `repeats` times), after one untimed forward of each."""
+    sizes = range(sizes, sizes + 1) if isinstance(sizes, int) else sizes
+    engine.reset()
+    engine.reserve(context + max(sizes, default=1))
+    engine.forward(ids[:context])
+    times = []
+    for s in sizes:
+        for i in range(repeats + 1):
+            engine.truncate(context)
+            start = time.perf_counter()
+            engine.forward(ids[context : context + s])
+            if i:
+                times.append(time.perf_counter() - start)
+    engine.reset()
+    return float(np.median(times)) if times else 0.0

@@ -1,0 +1,125 @@
+"""Chat: a conversation continues on its generator, each turn prefilling only what is new; `edge-sd chat`
+as piped input and under a real terminal (tmux)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from edge_sd import GenerationConfig, Pipeline
+from edge_sd.cli import app
+
+from conftest import PROVIDER
+
+TURNS = ["hi there", "and what about cats?", "tell me more"]
+
+
+def finish(gen) -> None:
+    while not gen.is_done:
+        gen.generate_next_tokens()
+
+
+@pytest.mark.parametrize("pair", ["gemma_qwen", "llama_qwen"])
+def test_each_turn_prefills_only_what_is_new(tiny_root: Path, pair: str) -> None:
+    """Turn after turn, the target feeds the template's rendering of the new turn (and the reply's last
+    token) alone, and the reply is what a fresh generator gives from the same ids."""
+    model = Pipeline.from_folder(tiny_root / "pairs" / pair, provider=PROVIDER, threads=2)
+    cfg = GenerationConfig(max_new_tokens=12)
+    gen = model.generator(cfg)
+    before = 0
+    for i, turn in enumerate(TURNS):
+        gen.append_chat(turn)
+        new = len(gen.ids) - before
+        finish(gen)
+        s = gen.stats
+        assert s.prompt_tokens == len(gen.ids) - len(gen.result().token_ids)
+        if i:
+            assert s.prefilled_tokens == new, (turn, s.prefilled_tokens, new)  # new ids and the reply's last
+        fresh = model.generator(cfg)
+        fresh.append_tokens(gen.ids[: gen.reply_start])
+        finish(fresh)
+        assert fresh.result().token_ids == gen.result().token_ids, turn
+        before = len(gen.ids)
+    assert [m["role"] for m in gen._messages] == ["user", "assistant"] * len(TURNS)
+
+
+def test_chat_command_piped(tiny_root: Path) -> None:
+    folder = str(tiny_root / "pairs" / "gemma_qwen")
+    r = CliRunner().invoke(app, ["chat", folder, "-n", "10", "--threads", "2"],
+                           input="hi there\nand what about cats?\n/reset\ncats\n")
+    assert r.exit_code == 0, r.output
+    stats = [ln for ln in r.stderr.splitlines() if "prefilled" in ln]
+    assert len(stats) == 3 and "(new conversation)" in r.stderr
+    prefilled = [int(ln.split("prefilled ")[1].split(" of ")[0]) for ln in stats]
+    totals = [int(ln.split(" of ")[-1]) for ln in stats]
+    assert prefilled[1] < totals[1] and prefilled[2] == totals[2] - 1  # continued, then anew
+
+
+def test_chat_command_without_a_template(tiny_root: Path, tmp_path: Path) -> None:
+    import json
+
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_root / "engines" / "bl_llama", folder)
+    manifest = json.loads((folder / "engine.json").read_text())
+    manifest["chat_template"] = None
+    (folder / "engine.json").write_text(json.dumps(manifest))
+    r = CliRunner().invoke(app, ["chat", str(folder)], input="hi\n")
+    assert r.exit_code == 2 and "no chat template" in r.stderr
+
+
+@pytest.mark.real
+def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
+    """tmux: a reply streams and ends with its statistics; Ctrl-C ends a long reply, not the session;
+    /reset starts anew; Ctrl-D ends the session. The real pair: a reply long enough to interrupt."""
+    from test_real_pair import PAIR
+
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: scripts/setup.sh installs it (apt-get install tmux)")
+
+    session = f"edge-sd-chat-{os.getpid()}"
+    exe = Path(sys.executable).with_name("edge-sd")
+    log = tmp_path / "exit"
+    cmd = f"{exe} chat {PAIR} -n 3000 --threads 2; echo exited $? > {log}"
+
+    def tmux(*args: str) -> str:
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+
+    def screen() -> str:
+        return tmux("capture-pane", "-p", "-t", session, "-S", "-200")
+
+    def wait_for(text: str, timeout: float = 120.0, count: int = 1) -> str:
+        end = time.time() + timeout
+        while time.time() < end:
+            shown = screen()
+            if shown.count(text) >= count:
+                return shown
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} did not appear:\n{screen()}")
+
+    tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd)
+    try:
+        wait_for("Ctrl-D ends the session")
+        wait_for("> ")
+        tmux("send-keys", "-t", session, "Name three colors.", "Enter")
+        wait_for("stop:", count=1)
+        tmux("send-keys", "-t", session, "Write a very long story about the sea, with many chapters.", "Enter")
+        time.sleep(3.0)  # streaming by now; 3000 tokens would take minutes
+        tmux("send-keys", "-t", session, "C-c")
+        shown = wait_for("[stopped]")
+        assert shown.count("> ") >= 3, shown  # a new prompt: the session goes on
+        tmux("send-keys", "-t", session, "/reset", "Enter")
+        wait_for("(new conversation)")
+        tmux("send-keys", "-t", session, "C-d")
+        end = time.time() + 30
+        while not log.exists() and time.time() < end:
+            time.sleep(0.2)
+        assert log.read_text().strip() == "exited 0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
