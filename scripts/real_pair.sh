@@ -14,7 +14,7 @@ bash scripts/prepare_real_pair.sh "$OUT"
 # A pair exported again has no disco.json, so it is calibrated again.
 if [ ! -f "$OUT/disco.json" ]; then
     echo "calibrating DISCO on $OUT (about a minute)"
-    .venv/bin/edge-sd calibrate "$OUT" --per-set 4 -k 6 -n 48 --threads 2 > /dev/null \
+    .venv/bin/edge-sd calibrate "$OUT" --per-set 4 --draft-max 6 -n 48 --threads 2 > /dev/null \
         || echo "calibration failed (above); auto runs without DISCO's stops"
 fi
 PROMPT=${1:-"The three primary colors are"}

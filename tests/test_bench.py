@@ -47,7 +47,7 @@ def test_bench_small_run_writes_table_plots_and_readme(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n<!-- real-pair-bench:start -->\nold\n<!-- real-pair-bench:end -->\ntail\n")
     out = tmp_path / "results"
-    args = ["bench", str(PAIR), "--per-set", "1", "-n", "8", "-k", "2", "--hf-k", "2",
+    args = ["bench", str(PAIR), "--per-set", "1", "-n", "8", "--draft-lengths", "2", "--transformers", "--hf-k", "2",
             "--hf-dir", str(HF), "-o", str(out), "--readme", str(readme)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

@@ -27,7 +27,7 @@ def assert_clean_error(r, *fragments: str) -> None:
 
 def test_generate_json(tiny_root: Path) -> None:
     r = run("generate", str(tiny_root / "pairs" / "gemma_qwen"), "-p", "The cat", "-n", "12", "--json",
-            "-a", "tli", "-k", "3")
+            "-a", "tli", "--draft-max", "3")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(obj["token_ids"]) == 12 and obj["text"]
@@ -147,7 +147,7 @@ def test_export_pruned_pair_from_the_cli(tiny_root: Path, tmp_path: Path) -> Non
     assert not out.exists()  # nothing half-written
     r = run(*args, "--drafter-vocab-keep", "0.5", "--vocab-corpus", str(corpus))
     assert r.exit_code == 0, r.output
-    r = run("generate", str(out), "-p", "The cat", "-n", "8", "-a", "rdk", "-k", "2", "--json")
+    r = run("generate", str(out), "-p", "The cat", "-n", "8", "-a", "rdk", "--draft-max", "2", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout.strip().splitlines()[-1])["stats"]["algorithm"] == "rdk"
 
@@ -158,3 +158,35 @@ def test_help_shows_the_defaults_in_brackets() -> None:
     assert r.exit_code == 0 and "[engines/<names>]" in r.output and "[same as --precision]" in r.output
     r = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "[2 greedy, 1 sampling]" in r.output
+
+
+def test_version_and_conventions(tiny_root: Path) -> None:
+    """--version; `plain` for plain decoding; -s is the seed (as in llama.cpp); --draft-max the draft
+    length (as in llama.cpp); the maintainer's --readme is not in the user's help."""
+    from edge_sd import __version__
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"edge-sd {__version__}"
+    pair = str(tiny_root / "pairs" / "gemma_qwen")
+    plain = json.loads(run("generate", pair, "-p", "The", "-n", "6", "-a", "plain", "--json").stdout)
+    assert plain["stats"]["algorithm"] == "plain" and plain["stats"]["proposed"] == 0
+    a = json.loads(run("generate", pair, "-p", "The", "-n", "12", "--temperature", "1", "-s", "3", "--json").stdout)
+    b = json.loads(run("generate", pair, "-p", "The", "-n", "12", "--temperature", "1", "--seed", "3",
+                       "--json").stdout)
+    assert a["token_ids"] == b["token_ids"]
+    r = run("generate", pair, "-p", "The", "-n", "6", "-a", "slem", "--draft-max", "4", "--json")
+    assert json.loads(r.stdout)["stats"]["lookahead"] == 4
+    assert "--readme" not in run("bench", "--help").stdout
+    assert "--draft-lengths" in run("bench", "--help").stdout
+
+
+def test_tables_are_whole_when_piped(tiny_root: Path) -> None:
+    """Not on a terminal, a table is printed as markdown with every cell whole (rich would cut cells
+    to fit 80 columns), and --json gives the same facts to programs."""
+    pair = tiny_root / "pairs" / "gemma_qwen"
+    r = run("inspect", str(pair))
+    assert r.exit_code == 0
+    assert "| source | " in r.stdout and "…" not in r.stdout
+    assert "| name | sp_gemma | bl2_qwen |" in r.stdout
+    data = json.loads(run("inspect", str(pair), "--json").stdout)
+    assert data["target"]["name"] == "sp_gemma" and data["pair"]["same_vocabulary"] is False

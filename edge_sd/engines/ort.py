@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import onnxruntime as ort
 from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
-from edge_sd.engines.providers import PROVIDERS, resolve_providers, tensorrt_options
+from edge_sd.engines.providers import PROVIDERS, UNVERIFIED, resolve_providers, tensorrt_options
 from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError
 from edge_sd.manifest import KEEP_INPUT, EngineManifest, check_files, load_engine_manifest
 
@@ -81,6 +82,10 @@ class OrtSession:
                 f"{self.folder / m.model_file}: ONNX Runtime could not load it ({_first_line(e)})"
             ) from None
         self.providers = self.session.get_providers()
+        unverified = [short for short, full in PROVIDERS.items() if short in UNVERIFIED and full in self.providers]
+        if unverified:
+            warnings.warn(f"{m.name}: running through {', '.join(unverified)}, which edge-sd has not been verified "
+                          "on: check its output against --provider cuda or cpu", stacklevel=2)
         # Inputs with a default (an initializer of their name) are listed apart: `logits_to_keep`.
         inputs = {i.name: i for i in [*self.session.get_inputs(), *self.session.get_overridable_initializers()]}
         missing = [n for n in m.input_names if n not in inputs]

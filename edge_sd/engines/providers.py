@@ -15,8 +15,12 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "cpu": "CPUExecutionProvider",
 }
-# `auto` tries these in order and takes every one that this onnxruntime build offers.
-AUTO_ORDER = ("tensorrt", "cuda", "cpu")
+# `auto` takes every one of these that this onnxruntime build offers, in this order: the providers
+# edge-sd has run its checks through (CUDA on an H200, the CPU on x86-64). TensorRT has never run here
+# (its libraries are not on the machines edge-sd is tested on): it is used only when named, with a
+# warning (engines/ort.py).
+AUTO_ORDER = ("cuda", "cpu")
+UNVERIFIED = ("tensorrt",)
 # TensorRT builds an engine per shape profile; it is kept beside the model so that only the first
 # load on a device pays for the build (minutes on a Jetson).
 TRT_CACHE_DIR = "trt_cache"
@@ -45,7 +49,8 @@ def resolve_providers(provider: str, cpu_only: bool = False) -> list[str]:
     if provider not in have:
         raise ProviderError(
             f"provider {provider!r} is not available in this onnxruntime build "
-            f"(available: {', '.join(have)}); install edge-sd[gpu] on a machine with a GPU"
+            f"(available: {', '.join(have)}); on a machine with an NVIDIA GPU replace onnxruntime by "
+            "onnxruntime-gpu (docs/gpu.md)"
         )
     if cpu_only and provider != "cpu":
         raise ProviderError(
