@@ -15,6 +15,8 @@ from edge_sd.algorithms.base import DrafterState, Proposer
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, best_threshold, fit_logistic, token_features
 from edge_sd.errors import UsageError
 from edge_sd.lookahead import Plan, StaticSchedule
+from edge_sd.manifest import write_aside
+from edge_sd.model import COSTS_FILE
 from edge_sd.pipeline import GenerationConfig, Pipeline
 
 
@@ -66,7 +68,10 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
     model = DiscoModel([float(v) for v in w], b, [float(v) for v in mean], [float(v) for v in scale],
                        threshold=0.0, k=k, trained_on=len(y), temperature=temperature)
     scored = [([model.prob(f) for f in feats], labels) for feats, labels in rounds]
-    target_cost = pipe.costs(k).target
+    costs = pipe.costs(k)
+    target_cost = costs.target
+    # Seeded generations plan from these instead of live timings (Model.fixed_costs).
+    write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
     step = statistics.median(draft_s)
     model.threshold = best_threshold(scored, target_cost, step, k)
     path = model.save(folder)

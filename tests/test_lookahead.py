@@ -284,6 +284,11 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     assert found["drafted_tokens"] == data["trained_on"] > 50 and 0.0 <= data["threshold"] < 1.0
     pipe = Pipeline.from_folder(folder, provider="cpu", threads=2)
     assert pipe.disco is not None
+    # The costs it measured are stored: seeded generations plan with them (Model.fixed_costs).
+    from edge_sd.model import Costs
+
+    stored = json.loads((folder / "costs.json").read_text())
+    assert pipe.fixed_costs(6) == Costs.from_json(stored).extended(6) and stored["step"] > 0
     for prompt in ["The old river sees the", "class Point:\n", "Every engineer "]:
         plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
         for cfg in (GenerationConfig(max_new_tokens=24, algorithm="tli", schedule="disco"),
