@@ -1,7 +1,7 @@
 """auto against fixed configurations on held-out prompts, several sampling seeds pooled into one table.
 
 One `edge-sd bench` run seeds each prompt once, so a sampled row of 16 prompts rests on 16 draws
-whose per-prompt ratios move by 10-15% on this machine. This pools the records of several runs (each
+whose per-prompt ratios move from run to run on a busy machine. This pools the records of several runs (each
 its own seed) into one table, every speedup still against plain decoding of the same prompt and seed:
 
     P=engines/gemma3-270m_smollm2-135m   # after scripts/real_pair.sh (DISCO calibrated on prompts 1-4)

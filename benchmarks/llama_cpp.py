@@ -64,6 +64,8 @@ ROWS = {  # label -> (tool, mode)
     "edge-sd auto, T=1": ("edge-sd", "sample"),
     "llama.cpp plain, T=1": ("llama.cpp", "sample"),
 }
+# With --fp32: plain decoding of the same file exported dequantized, first.
+ALL_ROWS = {"edge-sd plain, fp32": ("edge-sd", "greedy"), **ROWS}
 
 
 def prompt_list(per_set: int, skip: int) -> list[tuple[str, str]]:
@@ -113,13 +115,12 @@ def llama_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) 
             "-c", "2048", "--no-warmup", *sampling]
 
 
-def perplexity(pipe: Pipeline, binary: Path, gguf: Path, articles: int, ctx: int, threads: int) -> dict:
-    """Perplexity of the pair's target and of llama.cpp on the same text, both the llama-perplexity way:
-    the text cut into chunks of ctx tokens (BOS first), each scored on its second half."""
-    text = "\n".join(prompt_sets.articles(CACHE, articles))
-    engine, vocab = pipe.target.engine, pipe.target.vocab
+def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
+    """Perplexity of an engine the llama-perplexity way: the text cut into chunks of ctx tokens (BOS
+    first), each scored on its second half. Returns (perplexity, positions scored)."""
+    engine, vocab = side.engine, side.vocab
     ids = vocab.encode_text(text)
-    bos = pipe.target.manifest.bos_token_id
+    bos = side.manifest.bos_token_id
     nll, count = 0.0, 0
     for start in range(0, len(ids) - ctx + 1, ctx):
         chunk = ids[start : start + ctx]
@@ -135,7 +136,16 @@ def perplexity(pipe: Pipeline, binary: Path, gguf: Path, articles: int, ctx: int
         nll -= float(logp[np.arange(len(rows)), chunk[first:]].sum())
         count += len(rows)
     engine.reset()
-    ours = float(np.exp(nll / count))
+    return float(np.exp(nll / count)), count
+
+
+def perplexity(pipe: Pipeline, fp32: Pipeline | None, binary: Path, gguf: Path, articles: int, ctx: int,
+               threads: int) -> dict:
+    """Perplexity of the pair's target, of an fp32 export of the same file, and of llama.cpp, on the
+    same text, all the llama-perplexity way."""
+    text = "\n".join(prompt_sets.articles(CACHE, articles))
+    ours, count = chunk_perplexity(pipe.target, text, ctx)
+    reference = chunk_perplexity(fp32.target, text, ctx)[0] if fp32 is not None else None
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
     proc = subprocess.run([str(binary), "-m", str(gguf), "-f", f.name, "-c", str(ctx), "-t", str(threads),
@@ -143,7 +153,7 @@ def perplexity(pipe: Pipeline, binary: Path, gguf: Path, articles: int, ctx: int
     Path(f.name).unlink()
     m = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stderr + proc.stdout)
     return {"ctx": ctx, "articles": articles, "edge_sd": ours, "edge_sd_positions": count,
-            "llama_cpp": float(m.group(1)) if m else None}
+            "edge_sd_fp32": reference, "llama_cpp": float(m.group(1)) if m else None}
 
 
 def main() -> None:
@@ -157,6 +167,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--perplexity", type=int, default=0, help="also perplexity on this many news articles")
     ap.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
+    ap.add_argument("--fp32", type=Path, default=None, help="an fp32 export of the same GGUF (a single engine): "
+                    "a plain-decoding row and its perplexity beside the pair's target")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
 
@@ -166,24 +178,30 @@ def main() -> None:
     if not gguf.is_file():
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
     pipe = Pipeline.from_folder(args.pair, threads=args.threads)
+    fp32 = Pipeline.from_folder(args.fp32, threads=args.threads) if args.fp32 else None
+    rows = ROWS if fp32 is None else ALL_ROWS
     completion, spec = args.llama_bin / "llama-completion", args.llama_bin / "llama-speculative-simple"
     prompts = prompt_list(args.per_set, args.skip)
     n = args.max_new_tokens
     # Warm-up: load-time calibration of auto, and the first forwards of each shape.
-    pipe.generate(prompts[0][1], GenerationConfig(max_new_tokens=8))
+    for p in (pipe, fp32):
+        if p is not None:
+            p.generate(prompts[0][1], GenerationConfig(max_new_tokens=8))
     records = []
     for i, (group, text) in enumerate(prompts):
         seed = 1000 + i
         rec = {"set": group, "prompt": i, "runs": {}}
         runs = rec["runs"]
-        runs["edge-sd plain"] = _edge(pipe, text, n, "ar", 0.0, seed)
+        if fp32 is not None:
+            runs["edge-sd plain, fp32"] = _edge(fp32, text, n, "plain", 0.0, seed)
+        runs["edge-sd plain"] = _edge(pipe, text, n, "plain", 0.0, seed)
         runs["edge-sd auto"] = _edge(pipe, text, n, "auto", 0.0, seed)
-        runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"].pop("ids") == runs["edge-sd plain"].pop("ids")
+        runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"]["ids"] == runs["edge-sd plain"]["ids"]
         runs["llama.cpp plain"] = _llama(completion, llama_args(gguf, n, args.threads, 0.0, seed) + ["-no-cnv"],
                                          text, spec=False)
         runs["llama.cpp n-gram"] = _llama(spec, llama_args(gguf, n, args.threads, 0.0, seed)
                                           + ["--spec-type", "ngram-simple"], text, spec=True)
-        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "ar", 1.0, seed)
+        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", 1.0, seed)
         runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", 1.0, seed)
         runs["llama.cpp plain, T=1"] = _llama(completion, llama_args(gguf, n, args.threads, 1.0, seed) + ["-no-cnv"],
                                               text, spec=False)
@@ -197,9 +215,9 @@ def main() -> None:
               "gguf": gguf.name, "target_precision": target.precision,
               "drafter_precision": load_engine_manifest(args.pair / pm.drafter).precision,
               "llama_cpp": _llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
-              "records": records}
+              "rows": list(rows), "records": records}
     if args.perplexity:
-        result["perplexity"] = perplexity(pipe, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
+        result["perplexity"] = perplexity(pipe, fp32, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
                                           args.ctx, args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "llama_cpp.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -220,7 +238,7 @@ def medians(result: dict) -> dict[str, dict[str, float]]:
     """label -> set -> median decode rate (tok/s), with 'all' over every prompt."""
     out: dict[str, dict[str, float]] = {}
     sets = sorted({r["set"] for r in result["records"]}) + ["all"]
-    for label in ROWS:
+    for label in result.get("rows", ROWS):
         out[label] = {s: statistics.median(r["runs"][label]["rate"] for r in result["records"]
                                            if s in ("all", r["set"])) for s in sets}
     return out
@@ -263,6 +281,8 @@ def report(result: dict) -> str:
         ("edge-sd auto, T=1 / llama.cpp plain, T=1", "edge-sd auto, T=1", ["llama.cpp plain, T=1"]),
         ("edge-sd auto / edge-sd plain (greedy)", "edge-sd auto", ["edge-sd plain"]),
         ("edge-sd auto, T=1 / edge-sd plain, T=1", "edge-sd auto, T=1", ["edge-sd plain, T=1"]),
+        *([("edge-sd plain / edge-sd plain, fp32 target", "edge-sd plain", ["edge-sd plain, fp32"])]
+          if "edge-sd plain, fp32" in med else []),
     ):
         lines.append(f"| {name} | " + " | ".join(f"{v:.2f}x" for v in ratios(result, label, against).values()) + " |")
     equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
@@ -270,8 +290,10 @@ def report(result: dict) -> str:
               "prompts."]
     if "perplexity" in result:
         p = result["perplexity"]
-        lines += ["", f"Perplexity, {p['articles']} news articles, chunks of {p['ctx']} tokens scored on their "
-                  f"second half: edge-sd {p['edge_sd']:.3f}, llama.cpp {p['llama_cpp']}"]
+        fp32_ppl = f", the fp32 export of the same file {p['edge_sd_fp32']:.3f}" if p.get("edge_sd_fp32") else ""
+        lines += ["", f"Perplexity, the first {p['articles']} news articles, chunks of {p['ctx']} tokens scored on "
+                  f"their second half (llama-perplexity's method, {p['edge_sd_positions']} positions): edge-sd's "
+                  f"{result['target_precision']} target {p['edge_sd']:.3f}{fp32_ppl}, llama.cpp {p['llama_cpp']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -288,10 +310,11 @@ def plot(result: dict, path: Path) -> None:
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
         xs = np.arange(len(sets)) + (j - len(labels) / 2 + 0.5) * width
-        color = ("tab:blue" if ROWS[label][0] == "edge-sd" else "tab:orange")
+        tool, mode = ALL_ROWS[label]
+        color = "tab:blue" if tool == "edge-sd" else "tab:orange"
         ax.bar(xs, [med[label][s] for s in sets], width, label=label, color=color,
                alpha=1.0 if "auto" in label or "n-gram" in label else 0.55,
-               hatch="//" if ROWS[label][1] == "sample" else None)
+               hatch="//" if mode == "sample" else None)
     ax.set_xticks(np.arange(len(sets)), sets)
     ax.set_ylabel("decode rate, tok/s (median)")
     ax.set_title(f"edge-sd and llama.cpp on {result['gguf']} ({result['machine']['cores']} cores, {result['date']})")

@@ -3,7 +3,7 @@
 The runtime (this package minus `edge_sd.export`) imports numpy, onnxruntime and tokenizers only.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from edge_sd.config import GenerationConfig, GenerationResult  # noqa: E402
 from edge_sd.errors import EdgeSDError  # noqa: E402

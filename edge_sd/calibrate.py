@@ -13,7 +13,7 @@ import numpy as np
 
 from edge_sd.algorithms.base import DrafterState, Proposer
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, best_threshold, fit_logistic, token_features
-from edge_sd.errors import UsageError
+from edge_sd.errors import ContextLimitError, UsageError
 from edge_sd.lookahead import Plan, StaticSchedule
 from edge_sd.manifest import write_aside
 from edge_sd.model import COSTS_FILE
@@ -55,7 +55,11 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
 
             cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=temperature, seed=i, algorithm=algo,
                                    lookahead=k)
-            pipe.generate(prompt, cfg, make_schedule=record)
+            try:
+                pipe.generate(prompt, cfg, make_schedule=record)
+            except ContextLimitError:  # a prompt longer than the target's context teaches nothing here
+                progress(f"prompt {i + 1}/{len(prompts)} skipped: longer than the target's context")
+                break
             for r in recorders:  # none when the prompt did not fit the drafter
                 rounds += r.rounds
                 draft_s += r.draft_s

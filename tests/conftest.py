@@ -129,3 +129,41 @@ def pipelines(tiny_root: Path):
 
     return {name: Pipeline.from_folder(tiny_root / "pairs" / name, provider=PROVIDER, threads=2)
             for name in [*PAIRS, *PRUNED]}
+
+
+# --- GGUF files of tiny models (precision gguf) ----------------------------------------------------
+
+# Dimensions: K-quants need rows that are multiples of 256; no dimension equals the vocabulary size
+# (the model builder confuses an MLP as wide as the vocabulary with the LM head).
+# A context long enough for the benchmark prompt sets (the README's quick start calibrates on them).
+DIMS = {"hidden_size": 256, "intermediate_size": 768, "max_position_embeddings": 2048}
+# A fused q/k/v of three storages (8-bit blocks of 32 with zero points 16 and 128, 8-bit blocks of 16),
+# 4-bit blocks, offsets in 4 and 8 bits, and an untied output; the tied model's embedding has offsets.
+LLAMA_TYPES = {"*attn_q.*": "Q5_0", "*attn_k.*": "Q6_K", "*attn_v.*": "Q8_0", "*attn_output*": "Q4_0",
+               "*ffn_gate*": "Q4_1", "*ffn_up*": "Q5_1", "*ffn_down*": "Q6_K", "token_embd*": "Q8_0",
+               "output.weight": "Q8_0"}
+QWEN_TYPES = {"*attn_q.*": "Q4_0", "*attn_k.*": "Q4_0", "*attn_v.*": "Q6_K", "*attn_output*": "Q8_0",
+              "*ffn_gate*": "Q5_0", "*ffn_up*": "Q5_0", "*ffn_down*": "Q4_1", "token_embd*": "Q4_1"}
+
+
+@pytest.fixture(scope="session")
+def gguf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GGUF files of a tiny Llama (target) and Qwen2 (drafter), and their pair exported as gguf."""
+    from edge_sd.export.hf import ExportOptions
+    from edge_sd.export.pair import export
+
+    cache = os.environ.get("EDGE_SD_TEST_CACHE")
+    root = Path(cache) / "gguf" if cache else tmp_path_factory.mktemp("gguf")
+    if (root / "done").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for name, arch, tok, types, seed in (("llama", "llama", tiny.train_byte_level(512), LLAMA_TYPES, 21),
+                                         ("qwen", "qwen2", tiny.train_byte_level(384, seed_lines=50), QWEN_TYPES, 22)):
+        hf = tiny.build_model(root / f"hf_{name}", tok, arch, seed=seed, steps=100, **DIMS)
+        tok.save(str(root / f"{name}.tokenizer.json"))
+        tiny.write_gguf(hf, root / f"{name}.gguf", types)
+    export(str(root / "llama.gguf"), str(root / "qwen.gguf"), root / "pair", ExportOptions(),
+           tokenizer=str(root / "llama.tokenizer.json"), drafter_tokenizer=str(root / "qwen.tokenizer.json"))
+    (root / "done").touch()
+    return root

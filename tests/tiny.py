@@ -38,6 +38,8 @@ def corpus() -> list[str]:
 
 
 SPECIALS = ["<pad>", "<eos>", "<bos>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def train_byte_level(vocab_size: int, seed_lines: int = 0):
@@ -126,10 +128,7 @@ def build_model(folder: Path, tokenizer, arch: str, seed: int, steps: int = 150,
         tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
                                    pad_token="<pad>")
-    fast.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return folder
 
@@ -261,6 +260,7 @@ def write_gguf(hf: Path, path: Path, types: dict[str, str]) -> Path:
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_chat_template(CHAT_TEMPLATE)  # as real GGUF files carry theirs
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

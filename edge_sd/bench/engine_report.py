@@ -69,7 +69,7 @@ def plot(cases: list[dict], k: int, out: Path) -> Path:
                label="onnxruntime-genai generator, per token")
     ax.set_xticks(list(xs), [c["label"] for c in cases], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("ms")
-    ax.set_title("one forward on this CPU (2 threads), and onnxruntime-genai's decoding of the same graph")
+    ax.set_title("one forward (2 threads), and onnxruntime-genai's decoding of the same graph")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(plt, fig, out / PLOT)

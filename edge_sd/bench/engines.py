@@ -88,7 +88,7 @@ class GenaiRunner:
     """onnxruntime-genai's generator on an engine folder's graph, in a process of its own.
 
     Two runtimes in one process measure each other: with both models loaded and both thread pools
-    alive, the one measured second loses about 10% (Gemma-3-270M fp32, this CPU). A worker process
+    alive, the one measured second loses time to the other's threads. A worker process
     holds genai alone; the benchmark still alternates prompt by prompt between the two.
     """
 

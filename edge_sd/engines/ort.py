@@ -26,7 +26,7 @@ SPIN = ("always", "run", "never")
 
 class OrtSession:
     """One exported decoder loaded into ONNX Runtime: the session and what drives it, immutable after
-    load. Safe to share between threads (ONNX Runtime runs a session from several at once); each
+    load. Safe to share between threads (ONNX Runtime runs one InferenceSession from several at once); each
     request drives it through an `OrtEngine` of its own (its IO binding and KV cache)."""
 
     def __init__(
@@ -111,7 +111,7 @@ class OrtSession:
                 )
 
     def engine(self, capacity: int | None = None) -> OrtEngine:
-        """A new engine over this session: an empty KV cache of its own."""
+        """A new engine over this OrtSession: an empty KV cache of its own."""
         return OrtEngine(self, capacity=capacity)
 
 
@@ -136,7 +136,7 @@ class OrtEngine:
         capacity: int | None = None,
         min_step_positions: int | None = None,
     ):
-        """source: a session, or an engine folder to load one from (with the other arguments, as
+        """source: an OrtSession, or an engine folder to load one from (with the other arguments, as
         OrtSession takes them). capacity: initial KV positions of a shared-layout cache."""
         if not isinstance(source, OrtSession):
             source = OrtSession(Path(source), provider, threads, verify_files, spin, min_step_positions)

@@ -189,6 +189,18 @@ def _chat_template(tok: Any, override: str | None) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _gguf_chat_template(src: str) -> str | None:
+    """The chat template a GGUF file carries in its metadata (`tokenizer.chat_template`), if any."""
+    if not src.lower().endswith(".gguf"):
+        return None
+    from gguf import GGUFReader
+
+    field = GGUFReader(src).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
 def choose_exporter(requested: str, config: Any, hf_src: str) -> str:
     """The export path for a model: `auto` takes the builder where it handles the architecture and
     is installed, and the model is a local folder (the builder reads one)."""
@@ -391,7 +403,7 @@ def _manifest(
         tokenizer_file=TOKENIZER_FILE,
         input_names=list(inputs),
         output_names=outputs,
-        chat_template=_chat_template(tok, tokenizer),
+        chat_template=_chat_template(tok, tokenizer) or _gguf_chat_template(src),
         source=src,
         kv_layout="shared" if path == "builder" else "concat",
         export_path=path,
