@@ -112,7 +112,7 @@ def llama_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) 
     sampling = ["--temp", "0"] if temperature == 0 else ["--temp", str(temperature), "--top-k", "0", "--top-p", "1",
                                                          "--min-p", "0"]
     return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
-            "-c", "2048", "--no-warmup", *sampling]
+            "-c", "2048", *sampling]
 
 
 def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
@@ -197,13 +197,14 @@ def main() -> None:
         runs["edge-sd plain"] = _edge(pipe, text, n, "plain", 0.0, seed)
         runs["edge-sd auto"] = _edge(pipe, text, n, "auto", 0.0, seed)
         runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"]["ids"] == runs["edge-sd plain"]["ids"]
-        runs["llama.cpp plain"] = _llama(completion, llama_args(gguf, n, args.threads, 0.0, seed) + ["-no-cnv"],
+        plain_args = ["-no-cnv", "--no-warmup"]  # a completion, not a chat; no empty warm-up run
+        runs["llama.cpp plain"] = _llama(completion, llama_args(gguf, n, args.threads, 0.0, seed) + plain_args,
                                          text, spec=False)
         runs["llama.cpp n-gram"] = _llama(spec, llama_args(gguf, n, args.threads, 0.0, seed)
                                           + ["--spec-type", "ngram-simple"], text, spec=True)
         runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", 1.0, seed)
         runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", 1.0, seed)
-        runs["llama.cpp plain, T=1"] = _llama(completion, llama_args(gguf, n, args.threads, 1.0, seed) + ["-no-cnv"],
+        runs["llama.cpp plain, T=1"] = _llama(completion, llama_args(gguf, n, args.threads, 1.0, seed) + plain_args,
                                               text, spec=False)
         for r in runs.values():
             r.pop("ids", None)
