@@ -340,7 +340,7 @@ def chat(
             sys.stdout.flush()
             s = gen.stats
             err.print(("[stopped] " if stopped else "") + f"{s.line()} | prefilled {s.prefilled_tokens} of "
-                      f"{s.prompt_tokens}", highlight=False, soft_wrap=True)
+                      f"{s.prompt_tokens}", highlight=False, soft_wrap=True, markup=False)
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -94,11 +94,14 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
     def screen() -> str:
         return tmux("capture-pane", "-p", "-t", session, "-S", "-200")
 
+    def prompts(shown: str) -> int:  # capture-pane drops trailing spaces: a bare prompt is ">"
+        return sum(line.startswith(">") for line in shown.splitlines())
+
     def wait_for(text: str, timeout: float = 120.0, count: int = 1) -> str:
         end = time.time() + timeout
         while time.time() < end:
             shown = screen()
-            if shown.count(text) >= count:
+            if (prompts(shown) if text == ">" else shown.count(text)) >= count:
                 return shown
             time.sleep(0.2)
         raise AssertionError(f"{text!r} did not appear:\n{screen()}")
@@ -106,16 +109,17 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
     tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd)
     try:
         wait_for("Ctrl-D ends the session")
-        wait_for("> ")
-        tmux("send-keys", "-t", session, "Name three colors.", "Enter")
-        wait_for("stop:", count=1)
-        tmux("send-keys", "-t", session, "Write a very long story about the sea, with many chapters.", "Enter")
-        time.sleep(3.0)  # streaming by now; 3000 tokens would take minutes
-        tmux("send-keys", "-t", session, "C-c")
-        shown = wait_for("[stopped]")
-        assert shown.count("> ") >= 3, shown  # a new prompt: the session goes on
-        tmux("send-keys", "-t", session, "/reset", "Enter")
-        wait_for("(new conversation)")
+        wait_for(">")
+        for i, turn in enumerate(["Name three colors.", "/reset", "Write a long story about the sea."]):
+            tmux("send-keys", "-t", session, turn, "Enter")
+            if turn == "/reset":
+                wait_for("(new conversation)")
+            else:
+                time.sleep(3.0)  # the reply streams by now; 3000 tokens would take minutes
+                tmux("send-keys", "-t", session, "C-c")
+                shown = wait_for("[stopped]", count=i // 2 + 1)
+                assert shown.count("stop: stopped") == i // 2 + 1, shown  # the reply's statistics
+            wait_for(">", count=i + 2)  # a new prompt: the session goes on
         tmux("send-keys", "-t", session, "C-d")
         end = time.time() + 30
         while not log.exists() and time.time() < end:
