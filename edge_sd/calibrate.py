@@ -113,7 +113,7 @@ class TraceRecorder(StaticSchedule):
         self._ends.append((self._ends[-1] if self._ends else self._start) + len(last))
         return True
 
-    def plan(self, budget: int) -> Plan:
+    def plan(self, budget: int, open_ended: bool = False) -> Plan:
         self._features, self._ends = [], []
         self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
         return super().plan(budget)

@@ -69,8 +69,10 @@ class Plan:
 class Schedule(Protocol):
     name: str
 
-    def plan(self, budget: int) -> Plan:
-        """This round's proposer and draft length, at most `budget` (0 when nothing may be drafted)."""
+    def plan(self, budget: int, open_ended: bool = False) -> Plan:
+        """This round's proposer and draft length, at most `budget` (0 when nothing may be drafted).
+        open_ended: a stopper ends each draft (DISCO, the confidence cut), so a schedule that chooses
+        the length may let a draft that pays run to its longest."""
         ...
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
@@ -90,7 +92,7 @@ class StaticSchedule:
     def __init__(self, proposer: Proposer | None, k: int):
         self.proposer, self.k = proposer, k
 
-    def plan(self, budget: int) -> Plan:
+    def plan(self, budget: int, open_ended: bool = False) -> Plan:
         return Plan(self.proposer, min(self.k, budget) if self.proposer else 0)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
@@ -398,14 +400,13 @@ class StoppedSchedule:
     def __init__(self, inner: Schedule):
         self.inner = inner
 
-    def plan(self, budget: int) -> Plan:
+    def plan(self, budget: int, open_ended: bool = False) -> Plan:
         # On the cost model, the cost model decides whether a draft starts, the stopper when it ends.
         # DISCO's threshold was fitted on tokens per second at calibration; stopping where the cost
         # model's estimates said the next token would not pay (DISCO's probability times the next
         # position's acceptance) ran slower side by side (held-out greedy prompts, 2 passes: 1.26x/1.39x
         # against 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
-        inner = self.inner
-        return inner.plan(budget, open_ended=True) if isinstance(inner, CostSchedule) else inner.plan(budget)
+        return self.inner.plan(budget, open_ended=True)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
@@ -434,7 +435,7 @@ class DiscoSchedule(StoppedSchedule):
         self.stopped += not keep
         return keep
 
-    def plan(self, budget: int) -> Plan:
+    def plan(self, budget: int, open_ended: bool = False) -> Plan:
         plan = super().plan(budget)
         self.algo = self.names.get(id(plan.proposer), "")
         return plan
