@@ -359,12 +359,13 @@ class Generator:
         return StaticSchedule(proposer, k), k
 
     def _cost_model(self, proposers: dict[str, Proposer], k: int, greedy: bool) -> CostSchedule:
-        """The cost schedule of this reply. Unseeded: borrowed from the model, so that what earlier
-        generations learnt (costs, acceptance) carries over, following live timings. Seeded: this
-        generator's own, planning from fixed costs (Model.fixed_costs) and learning acceptance from
-        its own rounds only, so that the same seed gives the same output every time."""
+        """The cost schedule of this reply. Sampling with a seed: this generator's own, planning from
+        fixed costs (Model.fixed_costs) and learning acceptance from its own rounds only, so that the
+        same seed gives the same output every time (which draws are made depends on the plan). Else
+        borrowed from the model, so that what earlier generations learnt (costs, acceptance) carries
+        over, following live timings: greedy output is plain decoding's whatever the plan."""
         model, cfg = self.model, self.config
-        if cfg.seed is not None:
+        if cfg.seed is not None and not greedy:
             if self._own_schedule is None:
                 costs = model.fixed_costs(k)
                 self._own_schedule = CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers},

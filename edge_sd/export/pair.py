@@ -64,6 +64,9 @@ def export(
             summary["engines"][role] = _engine_summary(engines[role], tmp / role)
         with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
             stats = write_pair(tmp, engines["target"], engines["drafter"])
+        if opts.device == "cpu":
+            with step("the engines' costs (what seeded generations plan with)"):
+                write_costs(tmp)
         if vocab_keep is not None:
             from edge_sd.export.prune import corpus_texts, prune_pair
 
@@ -71,6 +74,20 @@ def export(
                 stats |= prune_pair(tmp, vocab_keep, corpus_texts(corpus, cache or cache_dir()))
         summary["pair"] = stats
     return summary
+
+
+def write_costs(folder: Path) -> None:
+    """Measure the pair's engines (a target forward over 1..k+1 positions, a drafter step, a drafter
+    position caught up) and store them in costs.json: sampled generations with a seed plan from these
+    instead of live timings (Model.fixed_costs); `edge-sd calibrate` measures them again."""
+    import json
+
+    from edge_sd.generator import DEFAULT_MAX_LOOKAHEAD
+    from edge_sd.manifest import write_aside
+    from edge_sd.model import COSTS_FILE, Model
+
+    costs = Model.load(folder, provider="cpu").costs(DEFAULT_MAX_LOOKAHEAD)
+    write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
 
 
 def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest) -> dict:
