@@ -18,7 +18,8 @@ benchmark, below). `--perplexity` adds perplexity on the first news articles, co
 `llama-perplexity` computes it (chunks of --ctx tokens, each scored on its second half), for the pair's
 target and llama.cpp on the same text.
 
-Writes benchmarks/results/llama_cpp.{md,json,png}.
+Writes benchmarks/results/llama_cpp.{md,json,png}; `--report` writes the table and plot again from
+the JSON, without running anything.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=ROOT / "engines" / "gemma3-270m_smollm2-135m")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file [the pair target's source]")
-    ap.add_argument("--llama-bin", type=Path, required=True, help="folder of llama.cpp's binaries (llama_cpp.sh)")
+    ap.add_argument("--llama-bin", type=Path, help="folder of llama.cpp's binaries (llama_cpp.sh)")
+    ap.add_argument("--report", action="store_true", help="only write the table and plot again from the JSON")
     ap.add_argument("--per-set", type=int, default=6)
     ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
@@ -171,6 +173,13 @@ def main() -> None:
                     "a plain-decoding row and its perplexity beside the pair's target")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
+    if args.report:
+        result = json.loads((args.out / "llama_cpp.json").read_text())
+        (args.out / "llama_cpp.md").write_text(report(result))
+        plot(result, args.out / "llama_cpp.png")
+        return
+    if args.llama_bin is None:
+        sys.exit("--llama-bin: the folder of llama.cpp's binaries (bash benchmarks/llama_cpp.sh prints it)")
 
     pm = load_pair_manifest(args.pair)
     target = load_engine_manifest(args.pair / pm.target)
@@ -264,9 +273,12 @@ def report(result: dict) -> str:
         f"{result['options']['max_new_tokens']} new tokens; target {result['target_precision']}, drafter "
         f"{result['drafter_precision']}. Decode rate (new tokens "
         "over the time after the prompt's prefill), median over prompts; every row ran on every prompt, "
-        "interleaved. Command: `python benchmarks/llama_cpp.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in result["options"].items()
-            if k in ("per_set", "max_new_tokens", "perplexity") and v not in ("0",)) + "`.",
+        "interleaved. Command: `python benchmarks/llama_cpp.py --llama-bin \"$(bash benchmarks/llama_cpp.sh)\" "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in result["options"].items()
+                   if k in ("per_set", "max_new_tokens", "perplexity") and v not in ("0",))
+        + (" --fp32 FOLDER" if result["options"].get("fp32") not in (None, "None") else "") + "`"
+        + (" (FOLDER: the same file exported with `edge-sd export --precision fp32`)."
+           if result["options"].get("fp32") not in (None, "None") else "."),
         "",
         "| row | " + " | ".join(sets) + " |",
         "|---|" + "---|" * len(sets),

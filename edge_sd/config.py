@@ -17,7 +17,7 @@ ALIASES = {"ar": "plain"}
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate. temperature 0 is greedy. With a seed, the output is the same every time,
-    for every algorithm (auto then plans from fixed costs instead of live timings: Generator)."""
+    for every algorithm (sampled auto then plans from fixed costs instead of live timings: Generator)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
