@@ -22,7 +22,14 @@ from edge_sd.config import GenerationConfig
 from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine, OrtSession
 from edge_sd.errors import ArtifactError, UsageError
-from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, EngineManifest, load_pair_manifest, sha256_file
+from edge_sd.manifest import (
+    ENGINE_FILE,
+    PAIR_FILE,
+    EngineManifest,
+    load_engine_manifest,
+    load_pair_manifest,
+    sha256_file,
+)
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
 # The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
@@ -66,10 +73,16 @@ class Side:
 
     def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
                  drafter: bool = False):
-        self.session = OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
-                                  min_step_positions=1 if drafter else None)
+        from concurrent.futures import ThreadPoolExecutor
+
+        m = load_engine_manifest(folder)
+        # The tokenizer (seconds for a 262k vocabulary) is read while ONNX Runtime builds the session.
+        with ThreadPoolExecutor(1) as pool:
+            vocab = pool.submit(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids)
+            self.session = OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
+                                      min_step_positions=1 if drafter else None)
+            self.vocab = vocab.result()
         self.manifest: EngineManifest = self.session.manifest
-        self.vocab = Vocab.from_file(folder / self.manifest.tokenizer_file, self.manifest.eos_token_ids)
         self.kept = _kept_ids(folder, self.manifest, self.vocab.size)
         self._engine: OrtEngine | None = None
 
@@ -147,8 +160,14 @@ class Model:
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
-            target = Side(folder / pm.target, provider, threads, verify, spin="run")
-            drafter = Side(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
+            # Loaded side by side: parsing a large tokenizer and building a session both spend seconds
+            # outside Python's lock.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as pool:
+                loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
+                target = Side(folder / pm.target, provider, threads, verify, spin="run")
+                drafter = loading.result()
             maps, notes = _load_maps(folder, pm, target, drafter)
             model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)
             model.disco = DiscoModel.load(folder)
@@ -213,23 +232,32 @@ class Model:
 
     def costs(self, k_max: int) -> Costs:
         """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught
-        up, measured once on engines of their own (the cost schedule then follows live timings)."""
+        up: the folder's costs.json (measured at export on these engines) where there is one, else
+        measured now on engines of their own, which takes seconds; the cost schedule then follows
+        live timings from there."""
         with self._lock:
             if self._costs is None:
-                self._costs = self._measure(k_max)
+                self._costs = self._stored_costs() or self._measure(k_max)
         return self._costs.extended(k_max)
+
+    def _stored_costs(self) -> Costs | None:
+        path = self.folder / COSTS_FILE if self.folder is not None else None
+        if path is None or not path.is_file():
+            return None
+        try:
+            return Costs.from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError):
+            self.notes.append(f"{path} unreadable: the engines' costs are measured at load instead")
+            return None
 
     def fixed_costs(self, k_max: int) -> Costs:
         """Costs that do not depend on this run's timings, for seeded generations: those `edge-sd
         calibrate` measured and stored in the pair folder, else ones derived from the engines' sizes
         (a CPU decodes at a rate set by the bytes it reads: a drafter step costs the target's forward
         times the ratio of their weights)."""
-        path = self.folder / COSTS_FILE if self.folder is not None else None
-        if path is not None and path.is_file():
-            try:
-                return Costs.from_json(json.loads(path.read_text(encoding="utf-8"))).extended(k_max)
-            except (ValueError, KeyError, TypeError):
-                self.notes.append(f"{path} unreadable: seeded generations plan from the engines' sizes")
+        stored = self._stored_costs()
+        if stored is not None:
+            return stored.extended(k_max)
         target_bytes = sum(f.bytes for f in self.target.manifest.files)
         # One step is the unit; a forward over s positions, 1% more a position (the measured pairs
         # here: 1-3%).

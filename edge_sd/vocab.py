@@ -92,11 +92,15 @@ class Vocab:
         added = {t["id"]: t for t in tokenizer_json.get("added_tokens", [])}
         self.token_bytes: list[bytes | None] = []
         self.byte_fallback_ids: set[int] = set()
+        # id -> piece as the tokenizer's id_to_token gives it (added tokens first), read from the
+        # tables in one pass rather than 262k calls into the tokenizer.
+        pieces: dict[int, str] = {i: piece for piece, i in model.get("vocab", {}).items()}
+        pieces.update((t["id"], t["content"]) for t in tokenizer_json.get("added_tokens", []))
         for i in range(self.size):
             if i in self.special_ids or i in self.eos_ids:
                 self.token_bytes.append(None)
                 continue
-            piece = tokenizer.id_to_token(i)
+            piece = pieces[i] if i in pieces else tokenizer.id_to_token(i)
             if piece is None:
                 self.token_bytes.append(None)
             elif i in added and not added[i].get("special") and piece not in model.get("vocab", {}):
@@ -139,15 +143,13 @@ class Vocab:
     @classmethod
     def from_file(cls, path: Path, eos_ids: list[int] | None = None) -> Vocab:
         path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"tokenizer file {path} not found")
         try:
-            text = path.read_text(encoding="utf-8")
-            data = json.loads(text)
-            tok = Tokenizer.from_str(text)
-        except FileNotFoundError:
-            raise ArtifactError(f"tokenizer file {path} not found") from None
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
-        return cls(tok, data, eos_ids)
+        return cls(tok, _described(tok), eos_ids)
 
     def ids_bytes(self, ids: list[int] | np.ndarray) -> bytes:
         """Concatenated bytes of token ids; special tokens contribute nothing."""
@@ -198,6 +200,20 @@ def _boundary(vocab: Vocab, ids: list[int], offset: int) -> int | None:
             return j
         pos += len(vocab.token_bytes[t] or b"")
     return None
+
+
+def _described(tok: Tokenizer) -> dict:
+    """The parts of a tokenizer.json that Vocab reads, from the loaded tokenizer itself: parsing the
+    file again in Python costs a second and hundreds of MB for a 262k vocabulary, nearly all of it the
+    merges, which Vocab does not read."""
+    def state(part: object) -> dict | None:
+        return json.loads(part.__getstate__()) if part is not None else None  # type: ignore[attr-defined]
+
+    model = {"type": type(tok.model).__name__, "byte_fallback": bool(getattr(tok.model, "byte_fallback", False)),
+             "vocab": tok.get_vocab(with_added_tokens=False)}
+    added = [{"id": i, "content": t.content, "special": t.special} for i, t in tok.get_added_tokens_decoder().items()]
+    return {"model": model, "added_tokens": added, "pre_tokenizer": state(tok.pre_tokenizer),
+            "decoder": state(tok.decoder)}
 
 
 def _style(tj: dict) -> str:
