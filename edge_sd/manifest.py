@@ -81,6 +81,10 @@ class EngineManifest:
     # path): feeding at least this many (re-feeding cached ones) keeps every forward on one kernel, so
     # that a k-token verification computes exactly what single steps compute. Measured at export.
     min_step_positions: int = 1
+    # Rows the LM head computes at least, where that is fewer than min_step_positions: 1 where the
+    # head's kernel gives a single row exactly what it gives that row among several (8-bit weights)
+    # while the layers need two. None: min_step_positions. Measured at export.
+    min_head_rows: int | None = None
     export_path: str = "optimum"
     # What the graph was made for: "cpu", or "cuda" (the model builder's --device cuda graphs). The
     # builder makes a graph for one device: its fused attention writes the KV cache in place, and a
@@ -177,6 +181,8 @@ def _check_types(obj: Any, source: Path) -> None:
             raise ArtifactError(f"{source}: unknown kv_layout {obj.kv_layout!r} (expected one of {KV_LAYOUTS})")
         if obj.min_step_positions < 1:
             raise ArtifactError(f"{source}: min_step_positions must be at least 1, got {obj.min_step_positions}")
+        if obj.min_head_rows is not None and (type(obj.min_head_rows) is not int or obj.min_head_rows < 1):
+            raise ArtifactError(f"{source}: min_head_rows must be null or at least 1, got {obj.min_head_rows!r}")
 
 
 def _load_json(path: Path) -> Any:

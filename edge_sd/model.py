@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,8 @@ CALIBRATION_REPEATS = 3
 # Written by `edge-sd calibrate`: the costs measured there, which seeded generations plan with.
 COSTS_FILE = "costs.json"
 
+
+_M = TypeVar("_M", bound="Model")  # load() of a subclass (Pipeline) returns that subclass
 
 class Costs(NamedTuple):
     """What the engines cost: seconds of a target forward over s positions (s -> s), of a one-position
@@ -152,7 +154,8 @@ class Model:
         self._schedules: dict[tuple, list[Any]] = {}
 
     @classmethod
-    def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None, verify: bool = False) -> Model:
+    def load(cls: type[_M], path: str | Path, provider: str = "auto", threads: int | None = None,
+             verify: bool = False) -> _M:
         """Load a pair folder (pair.json) or a single engine folder (engine.json)."""
         folder = Path(path)
         if not folder.is_dir():

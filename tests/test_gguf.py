@@ -4,8 +4,8 @@ here, in a mix of GGML types, exported through the model builder.
 What is checked: every MatMul of the graph computes with the file's blocks (none left in float), the
 weights ONNX Runtime computes with equal transformers' dequantization of the file bit for bit
 (MatMulNBits run at accuracy level 0 on an identity matrix, the offset correction included), the
-token embedding too, speculative decoding on such a pair equals plain decoding, and a type that cannot
-be carried exactly is refused by name.
+token embedding too, an 8-bit LM head computes one row of a two-position step, speculative decoding on
+such a pair equals plain decoding, and a type that cannot be carried exactly is refused by name.
 """
 
 from __future__ import annotations
@@ -125,6 +125,26 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
     vocab = sd["model.embed_tokens.weight"].shape[0]
     rows = _run(_subgraph(model, ["input_ids"], out), {"input_ids": np.arange(vocab, dtype=np.int64)[None]})[0]
     np.testing.assert_array_equal(rows, sd["model.embed_tokens.weight"])
+
+
+def test_an_8bit_head_computes_one_row_of_a_two_position_step(gguf_root: Path) -> None:
+    """The target's layers step two positions (one-row attention rounds otherwise), but its Q8_0 LM
+    head gives a row alone exactly what it gives it beside another, so a plain step runs the head over
+    one row; the drafter's Q4_1 head does not (4-bit one-row kernels round otherwise), as measured."""
+    from edge_sd.engines.ort import OrtEngine
+    from edge_sd.manifest import load_engine_manifest
+
+    target, drafter = (load_engine_manifest(gguf_root / "pair" / r) for r in ("target", "drafter"))
+    assert (target.min_step_positions, target.min_head_rows) == (2, 1)
+    assert target.validation["max_rel_diff_head_one_row"] == 0.0
+    assert drafter.min_head_rows is None and drafter.validation["max_rel_diff_head_one_row"] > 0.0
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    ids = np.arange(3, 20)
+    engine.forward(ids[:-1])
+    step = engine.forward(ids[-1:])
+    assert engine._io.get_outputs()[0].shape()[1] == 1  # the head's rows; the layers ran two positions
+    engine.reset()
+    np.testing.assert_array_equal(step, engine.forward(ids, last=3)[-1:])
 
 
 def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path) -> None:

@@ -39,7 +39,7 @@ class ScriptedEngine:
             sliding_window=None, model_file="m", tokenizer_file="t", input_names=[], output_names=[])
         self.n_cached = 0
         self.calls = 0
-        self.min_step, self.forward_count, self.forward_time = 1, 0, 0.0
+        self.min_step, self.head_rows, self.forward_count, self.forward_time = 1, 1, 0, 0.0
 
     @property
     def cached_ids(self) -> np.ndarray:

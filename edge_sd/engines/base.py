@@ -17,6 +17,8 @@ class Engine(Protocol):
     # Every forward feeds at least this many positions (re-feeding cached ones), so that all forwards
     # run the same kernels (manifest `min_step_positions`); consistency checks set it.
     min_step: int
+    # The LM head computes at least this many of a forward's rows (manifest `min_head_rows`).
+    head_rows: int
     forward_count: int  # forwards run so far
     forward_time: float  # seconds spent in them
 

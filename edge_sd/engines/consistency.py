@@ -2,8 +2,9 @@
 
 A verification forward over s positions must compute what plain decoding's forwards compute, or a
 greedy speculative run may pick another token where the target's top two logits are close. Kernels
-can differ with the number of positions: x86 int8-activation MatMulNBits takes another code path for
-one row; on CUDA, fp16 GEMV against GEMM kernels. The export measures this on the provider it
+can differ with the number of positions: on x86, ONNX Runtime's GroupQueryAttention takes another path
+for one query row (1e-5 of its output) and int4 MatMulNBits too, which int8 activations then round into
+1e-2 of the logits; on CUDA, fp16 GEMV against GEMM kernels. The export measures this on the provider it
 validates on (export/validate.py); an engine run on another provider measures it again at load
 (engines/ort.py), with the same forwards, no torch needed.
 """
@@ -26,25 +27,29 @@ def rel(a: np.ndarray, b: np.ndarray, scale: float) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) / scale
 
 
-def steps(engine, ids: np.ndarray, min_step: int) -> np.ndarray:
-    """Logits of positions PROMPT_LEN .. PROMPT_LEN+STEPS-1 fed one step at a time after a prefill."""
+def steps(engine, ids: np.ndarray, min_step: int, head_rows: int | None = None) -> np.ndarray:
+    """Logits of positions PROMPT_LEN .. PROMPT_LEN+STEPS-1 fed one step at a time after a prefill,
+    each step over min_step positions, its LM head over head_rows (default min_step) of them."""
     engine.min_step = min_step
+    engine.head_rows = min_step if head_rows is None else head_rows
     engine.reset()
     engine.forward(ids[:PROMPT_LEN])
     return np.stack([engine.forward(ids[j : j + 1])[0] for j in range(PROMPT_LEN, PROMPT_LEN + STEPS)])
 
 
 def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) -> None:
-    """Update worst["single"], ["multi"] and ["small"] with one sequence of PROMPT_LEN + STEPS ids.
+    """Update worst["single"], ["multi"], ["small"] and ["head"] with one sequence of PROMPT_LEN + STEPS ids.
 
     full: the engine's logits of every position from one forward over ids. single: one-position steps
     against it; multi: two-position steps (re-feeding the last cached token) and a STEPS-position
     forward after a cut-back, against it; small: those two against each other, the forwards a
-    speculative loop with `min_step_positions` 2 runs after the prefill."""
+    speculative loop with `min_step_positions` 2 runs after the prefill; head: two-position steps
+    whose LM head computes the last row only, against two-position steps."""
     scale = max(1.0, float(np.abs(full).max()))
     ref = full[PROMPT_LEN:]
     worst["single"] = max(worst["single"], rel(steps(engine, ids, 1), ref, scale))
     pairs = steps(engine, ids, 2)
+    worst["head"] = max(worst.get("head", 0.0), rel(steps(engine, ids, 2, head_rows=1), pairs, scale))
     engine.truncate(PROMPT_LEN)
     multi = engine.forward(ids[PROMPT_LEN:])
     worst["multi"] = max(worst["multi"], rel(pairs, ref, scale), rel(multi, ref, scale))
@@ -58,13 +63,20 @@ def min_step_for(worst: dict[str, float], kv_layout: str) -> int:
     return 2 if kv_layout == "shared" and worst["single"] > CACHE_RTOL and worst["small"] == 0.0 else 1
 
 
+def min_head_rows_for(worst: dict[str, float], min_step: int) -> int | None:
+    """1 where two-position steps are needed but the LM head gives its last row alone exactly what it
+    gives it beside another (8-bit MatMulNBits: a one-row head then saves the second row's pass over
+    the largest weight); None where the head must compute min_step rows like the rest."""
+    return 1 if min_step > 1 and worst.get("head", 1.0) == 0.0 else None
+
+
 def check(engine) -> dict:
     """Measure an engine on random ids (N_PROMPTS sequences) and return the figures with the
     `min_step_positions` they call for; the engine is left empty, its counters as they were."""
     rng = np.random.default_rng(0)
     vocab = min(engine.manifest.vocab_size, engine.manifest.logits_width)
-    saved = engine.min_step, engine.forward_count, engine.forward_time
-    worst = {"single": 0.0, "multi": 0.0, "small": 0.0}
+    saved = engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time
+    worst = {"single": 0.0, "multi": 0.0, "small": 0.0, "head": 0.0}
     try:
         for _ in range(N_PROMPTS):
             ids = rng.integers(0, vocab, size=PROMPT_LEN + STEPS)
@@ -72,6 +84,7 @@ def check(engine) -> dict:
             engine.reset()
             measure(engine, ids, engine.forward(ids), worst)
     finally:
-        engine.min_step, engine.forward_count, engine.forward_time = saved
+        engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time = saved
         engine.reset()
-    return {**worst, "min_step_positions": min_step_for(worst, engine.manifest.kv_layout)}
+    min_step = min_step_for(worst, engine.manifest.kv_layout)
+    return {**worst, "min_step_positions": min_step, "min_head_rows": min_head_rows_for(worst, min_step)}

@@ -53,6 +53,7 @@ class OrtSession:
         check_files(self.manifest, self.folder, full=verify_files)
         m = self.manifest
         self.min_step = m.min_step_positions if min_step_positions is None else max(1, min_step_positions)
+        self.head_rows = (m.min_head_rows or self.min_step) if min_step_positions is None else self.min_step
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -102,6 +103,7 @@ class OrtSession:
         if min_step_positions is None and m.validation.get("provider", "cpu") != self.device:
             self.consistency = check_consistency(self.engine())
             self.min_step = self.consistency["min_step_positions"]
+            self.head_rows = self.consistency["min_head_rows"] or self.min_step
             worst = max(self.consistency["single"], self.consistency["multi"])
             if worst > BROKEN_RTOL:  # rounding moves logits by 1e-6..1e-2 of their scale; this is not that
                 advice = " (run it with --provider cpu)" if m.device == "cpu" else ""
@@ -123,7 +125,8 @@ class OrtEngine:
     bound back as the next call's past; a shared-layout graph writes into one buffer per layer that is
     bound as both past and present, so a step writes only its new positions and cutting the cache back
     is a change of length. Every forward covers at least `min_step` positions (re-feeding cached
-    ones), so that all forwards run the same kernels (manifest, `min_step_positions`).
+    ones), and its LM head at least `head_rows` of them, so that all forwards run the same kernels
+    (manifest, `min_step_positions` and `min_head_rows`).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class OrtEngine:
         self.shared = source
         self.manifest: EngineManifest = source.manifest
         self.min_step = source.min_step
+        self.head_rows = source.head_rows
         m = self.manifest
         self._io = source.session.io_binding()
         # Logits are bound first, so that they are always the first output.
@@ -228,9 +232,9 @@ class OrtEngine:
             io.bind_cpu_input("position_ids", self._positions[:, start:total])
         n = s if last is None else max(1, min(last, s))
         if self._keep is not None:
-            # The LM head too runs over at least min_step rows: a quantized head's single-row kernel
-            # rounds otherwise, and a plain step would not compute what a verification forward does.
-            self._keep[0] = max(n, min(self.min_step, len(ids)))
+            # The LM head runs over at least head_rows rows: a 4-bit head's single-row kernel rounds
+            # otherwise, and a plain step would not compute what a verification forward does.
+            self._keep[0] = max(n, min(self.head_rows, len(ids)))
         names = ["logits", *self._kv.bind_past(start)]
         io.bind_output("logits", "cpu")
         self.shared.session.run_with_iobinding(io)

@@ -323,7 +323,8 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         with step(f"validate against torch (subprocess, {opts.device})"):
             figures = run_validation(dest, hf_src, opts.precision, opts.drafter, opts.device)
         manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
-                                     "min_step_positions": figures["min_step_positions"]})
+                                     "min_step_positions": figures["min_step_positions"],
+                                     "min_head_rows": figures["min_head_rows"]})
         save(manifest, dest)
     return manifest
 

@@ -124,6 +124,7 @@ def _engine_summary(m: EngineManifest, folder: Path) -> dict:
         "export_path": m.export_path,
         "precision": m.precision,
         "min_step_positions": m.min_step_positions,
+        "min_head_rows": m.min_head_rows,
         "vocab": m.vocab_size,
         "logits_width": m.logits_width,
         "max_context": m.max_context,
