@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_sd.bench import prompts as prompt_sets
+from edge_sd.bench.llama_cpp import LlamaCpp, Timing
+from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.paths import cache_dir
@@ -85,35 +87,8 @@ def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, temperature: floa
             "ids": r.token_ids, "schedule": r.stats.schedule.get("rounds", {})}
 
 
-def _llama(binary: Path, args: list[str], prompt: str, spec: bool) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt)
-    cmd = [str(binary), *args, "-f", f.name]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    Path(f.name).unlink()
-    log = proc.stderr + proc.stdout
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {log[-2000:]}")
-    if spec:
-        m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", log)
-        if not m:
-            raise RuntimeError(f"no decoding time in the output of {binary.name}: {log[-1500:]}")
-        tokens, seconds = int(m.group(1)), float(m.group(2))
-        acc = re.search(r"accept\s*=\s*([\d.]+)%", log)
-        return {"tokens": tokens, "decode_s": seconds, "rate": tokens / seconds,
-                "accept": float(acc.group(1)) / 100 if acc else None}
-    m = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", log.split("prompt eval time")[-1])
-    if not m:
-        raise RuntimeError(f"no eval time in the output of {binary.name}: {log[-1500:]}")
-    seconds, runs = float(m.group(1)) / 1e3, int(m.group(2))
-    return {"tokens": runs, "decode_s": seconds, "rate": runs / seconds}
-
-
-def llama_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) -> list[str]:
-    sampling = ["--temp", "0"] if temperature == 0 else ["--temp", str(temperature), "--top-k", "0", "--top-p", "1",
-                                                         "--min-p", "0"]
-    return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
-            "-c", "2048", *sampling]
+def _llama(timing: Timing) -> dict:
+    return {"tokens": timing.tokens, "decode_s": timing.decode_s, "rate": timing.rate, "accept": timing.accept}
 
 
 def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
@@ -189,7 +164,7 @@ def main() -> None:
     pipe = Pipeline.from_folder(args.pair, threads=args.threads)
     fp32 = Pipeline.from_folder(args.fp32, threads=args.threads) if args.fp32 else None
     rows = ROWS if fp32 is None else ALL_ROWS
-    completion, spec = args.llama_bin / "llama-completion", args.llama_bin / "llama-speculative-simple"
+    llama = LlamaCpp(args.llama_bin, gguf, args.threads)
     prompts = prompt_list(args.per_set, args.skip)
     n = args.max_new_tokens
     # Warm-up: load-time calibration of auto, and the first forwards of each shape.
@@ -206,15 +181,11 @@ def main() -> None:
         runs["edge-sd plain"] = _edge(pipe, text, n, "plain", 0.0, seed)
         runs["edge-sd auto"] = _edge(pipe, text, n, "auto", 0.0, seed)
         runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"]["ids"] == runs["edge-sd plain"]["ids"]
-        plain_args = ["-no-cnv", "--no-warmup"]  # a completion, not a chat; no empty warm-up run
-        runs["llama.cpp plain"] = _llama(completion, llama_args(gguf, n, args.threads, 0.0, seed) + plain_args,
-                                         text, spec=False)
-        runs["llama.cpp n-gram"] = _llama(spec, llama_args(gguf, n, args.threads, 0.0, seed)
-                                          + ["--spec-type", "ngram-simple"], text, spec=True)
+        runs["llama.cpp plain"] = _llama(llama.plain(text, n, 0.0, seed))
+        runs["llama.cpp n-gram"] = _llama(llama.ngram(text, n, seed))
         runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", 1.0, seed)
         runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", 1.0, seed)
-        runs["llama.cpp plain, T=1"] = _llama(completion, llama_args(gguf, n, args.threads, 1.0, seed) + plain_args,
-                                              text, spec=False)
+        runs["llama.cpp plain, T=1"] = _llama(llama.plain(text, n, 1.0, seed))
         for r in runs.values():
             r.pop("ids", None)
         records.append(rec)
@@ -224,7 +195,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "gguf": gguf.name, "target_precision": target.precision,
               "drafter_precision": load_engine_manifest(args.pair / pm.drafter).precision,
-              "llama_cpp": _llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
+              "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
               "rows": list(rows), "records": records}
     if args.perplexity:
         result["perplexity"] = perplexity(pipe, fp32, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
@@ -234,14 +205,6 @@ def main() -> None:
     (args.out / "llama_cpp.md").write_text(report(result))
     plot(result, args.out / "llama_cpp.png")
     print(report(result))
-
-
-def _llama_version(binary: Path) -> str:
-    """The llama-cpp-python sdist the tools were built from (benchmarks/llama_cpp.sh keeps builds in
-    llama.cpp/<version>/build/bin), and the version llama.cpp reports itself."""
-    proc = subprocess.run([str(binary / "llama-completion"), "--version"], capture_output=True, text=True)
-    m = re.search(r"version: (\S+)", proc.stderr + proc.stdout)
-    return f"vendored in llama-cpp-python {binary.parent.parent.name} ({m.group(1) if m else 'version unknown'})"
 
 
 def medians(result: dict) -> dict[str, dict[str, float]]:

@@ -488,6 +488,11 @@ def bench(
     hf_dir: Optional[Path] = typer.Option(None, "--hf-dir", help="fp32 HF folders of target and drafter "
                                           "\\[$EDGE_SD_CACHE/real/hf]."),
     hf_k: str = typer.Option("3,5", "--hf-k", help="Draft lengths for transformers' assisted generation."),
+    llama_cpp: Optional[Path] = typer.Option(None, "--llama-cpp", help="Also llama.cpp's plain decoding and "
+                                             "n-gram speculation: the folder of its tools (`bash "
+                                             "benchmarks/llama_cpp.sh` builds them and prints it)."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="The GGUF file llama.cpp runs \\[the file the "
+                                        "target was exported from]."),
     quick: bool = typer.Option(False, "--quick", help="Smoke check: 2 prompts per set, 24 tokens, length 3."),
     out_dir: Path = typer.Option(Path("bench-results"), "--out", "-o", help="Where the table and plots go."),
     readme: Optional[Path] = typer.Option(None, "--readme", hidden=True, help="Also write the results into this "
@@ -520,6 +525,8 @@ def bench(
       edge-sd bench engines/gemma3-270m_smollm2-135m --engines --quick
 
       edge-sd bench engines/pair --draft-lengths 3 --keep 1,0.5,0.25,0.1   # + RDK, pruned drafters
+
+      edge-sd bench engines/pair --llama-cpp "$(bash benchmarks/llama_cpp.sh)"   # + llama.cpp rows
     """
     threads = threads or os.cpu_count() or 1  # torch needs a number; ONNX Runtime takes the same
     if engines:
@@ -538,7 +545,7 @@ def bench(
             modes=tuple(m for m in modes.split(",") if m), threads=threads, transformers=transformers,
             hf_dir=hf_dir or cache / "real" / "hf", hf_ks=_int_list(hf_k, "--hf-k"), seed=seed,
             auto=not no_auto, schedules=tuple(x for x in schedules.split(",") if x), skip=skip,
-            keeps=_float_list(keep, "--keep"), keep_k=keep_k,
+            keeps=_float_list(keep, "--keep"), keep_k=keep_k, llama_cpp=llama_cpp, gguf=gguf,
         )
         if quick:
             opts = replace(opts, per_set=2, max_new_tokens=24, ks=(3,), hf_ks=(3,))

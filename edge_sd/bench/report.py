@@ -43,6 +43,7 @@ def summarise(results: dict) -> list[dict]:
             own = plain[(mode, engine, r["prompt"])]
             identical += r["token_ids"] == own["token_ids"]
         proposed = sum(r["proposed"] for r in recs)
+        forwards = sum(r["target_forwards"] for r in recs)
         rows.append({
             "mode": mode, "engine": engine, "algorithm": algo, "k": k, "schedule": schedule, "keep": keep,
             "prompts": len(recs),
@@ -51,11 +52,13 @@ def summarise(results: dict) -> list[dict]:
             "tokens_per_s": tokens / wall if wall else 0.0,
             "speedup_median": statistics.median(ratios) if ratios else 0.0,
             "acceptance": sum(r["accepted"] for r in recs) / proposed if proposed else None,
-            "tokens_per_target_forward": tokens / max(1, sum(r["target_forwards"] for r in recs)),
+            # None where the forwards are not known (llama.cpp's speculation does not report them)
+            "tokens_per_target_forward": tokens / forwards if forwards else None,
             "ms_per_token_target": 1000 * target / max(1, tokens),
             "ms_per_token_drafter": 1000 * drafter / max(1, tokens),
             "ms_per_token_other": 1000 * max(0.0, wall - target - drafter) / max(1, tokens),
-            "identical_to_plain": identical if mode == "greedy" else None,
+            # llama.cpp's ids are not read: its rows are compared on speed only
+            "identical_to_plain": identical if mode == "greedy" and engine != "llama.cpp" else None,
         })
     return rows
 
@@ -69,6 +72,7 @@ def table(rows: list[dict], mode: str) -> str:
         if r["mode"] != mode:
             continue
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        per_fwd = "" if r["tokens_per_target_forward"] is None else f"{r['tokens_per_target_forward']:.2f}"
         sets = r.get("speedup_median_by_set", {})
         per_set = " | ".join(f"{sets[s]:.2f}x" if s in sets else "" for s in ("code", "summarisation"))
         name = _algo_name(r["algorithm"]) + ("" if r.get("schedule", "static") in ("static", "cost")
@@ -76,17 +80,18 @@ def table(rows: list[dict], mode: str) -> str:
         if r.get("keep", 1.0) < 1.0:
             name += f", drafter vocab {r['keep']:.0%}"
         line = (f"| {r['engine']} | {name} | {r['k'] or ''} | {r['tokens_per_s']:.1f} "
-                f"| {r['speedup_median']:.2f}x | {per_set} | {acc} | {r['tokens_per_target_forward']:.2f} "
+                f"| {r['speedup_median']:.2f}x | {per_set} | {acc} | {per_fwd} "
                 f"| {r['ms_per_token_target']:.1f} | {r['ms_per_token_drafter']:.1f} | {r['ms_per_token_other']:.1f} |")
         if mode == "greedy":
-            line += f" {r['identical_to_plain']}/{r['prompts']} |"
+            same = r["identical_to_plain"]
+            line += f" {same}/{r['prompts']} |" if same is not None else " |"
         lines.append(line)
     return "\n".join(lines)
 
 
 def _algo_name(a: str) -> str:
     names = {"ar": "plain", "auto": "auto (cost-aware)", "uag": "assisted (UAG)", "usd": "assisted (USD, as shipped)",
-             "usd-unpruned": "assisted (USD, LM head not pruned)"}
+             "usd-unpruned": "assisted (USD, LM head not pruned)", "ngram": "n-gram speculation"}
     return names.get(a, a.upper())
 
 
@@ -119,6 +124,10 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         hf_plain = [r for r in mrows if r["engine"] == "transformers" and r["algorithm"] == "ar"]
         if hf_plain:
             ax.axhline(hf_plain[0]["speedup_median"], color="grey", ls=":", lw=1, label="transformers plain")
+        for r in mrows:  # llama.cpp: no draft length to plot against, levels like auto's
+            if r["engine"] == "llama.cpp":
+                ax.axhline(r["speedup_median"], color="tab:orange", ls="-." if r["algorithm"] == "ngram" else ":",
+                           lw=1.5, label=f"llama.cpp {_algo_name(r['algorithm'])}")
         ax.set_title(f"{mode} (T={'0' if mode == 'greedy' else '1'})")
         ax.set_xlabel("k (drafted tokens per round)")
         ax.set_ylabel("speedup over edge-sd plain decoding (median)")
@@ -129,8 +138,9 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         mrows = [r for r in rows if r["mode"] == mode]
-        labels = [("HF " if r["engine"] == "transformers" else "") + _algo_name(r["algorithm"])
-                  + (f" {r['k']}" if r["k"] else "") for r in mrows]
+        prefix = {"transformers": "HF ", "llama.cpp": "llama.cpp "}
+        labels = [prefix.get(r["engine"], "") + _algo_name(r["algorithm"]) + (f" {r['k']}" if r["k"] else "")
+                  for r in mrows]
         bottom = [0.0] * len(mrows)
         for key, color in (("target", "#4c72b0"), ("drafter", "#dd8452"), ("other", "#8c8c8c")):
             vals = [r[f"ms_per_token_{key}"] for r in mrows]

@@ -59,6 +59,10 @@ class BenchOptions:
     # run with TLI and RDK at keep_k; their drafter steps are timed against the full drafter's.
     keeps: tuple[float, ...] = ()
     keep_k: int = 3
+    # llama.cpp's plain decoding and n-gram speculation beside edge-sd's rows (bench/llama_cpp.py): the
+    # folder of its tools, and the GGUF file they run (default: the file the target was exported from).
+    llama_cpp: Path | None = None
+    gguf: Path | None = None
 
     def check(self) -> None:
         if self.per_set < 1 or self.max_new_tokens < 1:
@@ -83,9 +87,9 @@ class BenchOptions:
 
 @dataclass(frozen=True)
 class Config:
-    engine: str  # "edge-sd" or "transformers"
+    engine: str  # "edge-sd", "transformers" or "llama.cpp"
     mode: str
-    algorithm: str  # ar (plain decoding), auto, slem/tli/slrs, or uag/usd for transformers
+    algorithm: str  # ar (plain decoding), auto, slem/tli/slrs, uag/usd for transformers, ngram for llama.cpp
     k: int  # 0: the default (auto: the longest draft it may choose)
     schedule: str = "static"
     keep: float = 1.0  # the drafter's kept vocabulary fraction (below 1 or with rdk: a pruned copy)
@@ -141,6 +145,10 @@ def configs(opts: BenchOptions, disco_k: int = 0) -> list[Config]:
         if opts.transformers:
             out.append(Config("transformers", mode, "ar", 0))
             out += [Config("transformers", mode, a, k) for a in HF_ASSISTED[mode] for k in opts.hf_ks]
+        if opts.llama_cpp is not None:
+            out.append(Config("llama.cpp", mode, "ar", 0))
+            if mode == "greedy":
+                out.append(Config("llama.cpp", mode, "ngram", 0))
     return out
 
 
@@ -184,6 +192,11 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
         from edge_sd.bench.hf import HFPair
 
         hf = HFPair.load(opts.hf_dir, pipe, opts.threads)
+    llama = None
+    if opts.llama_cpp is not None:
+        from edge_sd.bench.llama_cpp import LlamaCpp
+
+        llama = LlamaCpp(opts.llama_cpp, opts.gguf or Path(pipe.target.manifest.source), opts.threads)
     todo = configs(opts, pipe.disco.k if pipe.disco else 0)
     settle = SETTLE_S if pipe.target.engine.device == "cpu" else 0.0
     # Warm-up: the first runs of a fresh session pay for memory allocation; time none of that.
@@ -207,6 +220,9 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
             if cfg.engine == "edge-sd":
                 runner = plain if cfg.algorithm == "ar" else variants[cfg.keep] if cfg.pruned else pipe
                 rec = _run_edge(runner, prompt, cfg, opts.max_new_tokens, seed)
+            elif cfg.engine == "llama.cpp":
+                assert llama is not None
+                rec = _run_llama(llama, prompt, cfg, opts.max_new_tokens, seed)
             else:
                 assert hf is not None
                 rec = hf.generate(ids, cfg.mode, cfg.algorithm, cfg.k, opts.max_new_tokens, seed)
@@ -271,3 +287,15 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
         target_forwards=s.target_forwards, proposed=s.proposed, accepted=s.accepted, token_ids=res.token_ids,
         keep=cfg.keep,
     )
+
+
+def _run_llama(llama, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
+    # Timed by the tool itself, its model load left out as edge-sd's is: the prompt's prefill plus the
+    # decoding. Its token ids are not read, so its rows are compared on speed only.
+    t = (llama.ngram(prompt.text, max_new, seed) if cfg.algorithm == "ngram"
+         else llama.plain(prompt.text, max_new, MODES[cfg.mode], seed))
+    prefill = t.prefill_s or 0.0
+    drafted = t.accept is not None
+    return Record(engine="llama.cpp", mode=cfg.mode, algorithm=cfg.algorithm, k=0, prompt=prompt.id,
+                  new_tokens=t.tokens, wall_s=prefill + t.decode_s, prefill_s=prefill, target_s=prefill + t.decode_s,
+                  drafter_s=0.0, target_forwards=0 if drafted else t.tokens, proposed=0, accepted=0)

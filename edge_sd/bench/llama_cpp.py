@@ -1,0 +1,116 @@
+"""llama.cpp's tools as benchmark rows: plain decoding (`llama-completion`) and its drafter-free n-gram
+speculation (`llama-speculative-simple --spec-type ngram-simple`) on a GGUF file, one process per
+prompt, timed by what the tools report of themselves.
+
+The tools are not part of edge-sd: `benchmarks/llama_cpp.sh` builds them from the llama-cpp-python
+sdist and prints the folder that holds them, which `edge-sd bench --llama-cpp` and
+`benchmarks/llama_cpp.py` take.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_sd.errors import UsageError
+
+COMPLETION = "llama-completion"
+SPECULATIVE = "llama-speculative-simple"
+# A completion, not a chat; no empty warm-up run before the timed one.
+PLAIN_ARGS = ("-no-cnv", "--no-warmup")
+NGRAM_ARGS = ("--spec-type", "ngram-simple")
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One run: new tokens, seconds decoding them, seconds of the prompt's prefill (None where the tool
+    does not report it), and the share of drafted tokens accepted (speculation only)."""
+
+    tokens: int
+    decode_s: float
+    prefill_s: float | None = None
+    accept: float | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def tool_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) -> list[str]:
+    """Arguments both tools share: the model, n new tokens, threads, and sampling at `temperature`
+    with every other filter off (edge-sd's plain sampling), or greedy at 0."""
+    sampling = (["--temp", "0"] if temperature == 0 else
+                ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"])
+    return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
+            "-c", "2048", *sampling]
+
+
+def run_tool(binary: Path, args: list[str], prompt: str, speculative: bool) -> Timing:
+    """Run one of the tools on a prompt (passed as a file: no shell quoting) and read its timings."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    cmd = [str(binary), *args, "-f", f.name]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    finally:
+        Path(f.name).unlink()
+    log = proc.stderr + proc.stdout
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {log[-2000:]}")
+    return parse(log, speculative, binary.name)
+
+
+def parse(log: str, speculative: bool, tool: str = "llama.cpp") -> Timing:
+    """Timings from a tool's log: llama-speculative-simple's summary (`encoded N tokens in S seconds`,
+    `decoded N tokens in S seconds`, `accept = P%`), or llama-completion's performance lines (`prompt
+    eval time = MS ms / N tokens`, then `eval time = MS ms / N runs`)."""
+    if speculative:
+        m = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds", log)
+        if not m:
+            raise RuntimeError(f"no decoding time in the output of {tool}: {log[-1500:]}")
+        enc = re.search(r"encoded\s+\d+\s+tokens in\s+([\d.]+)\s+seconds", log)
+        acc = re.search(r"accept\s*=\s*([\d.]+)%", log)
+        return Timing(int(m.group(1)), float(m.group(2)), float(enc.group(1)) if enc else None,
+                      float(acc.group(1)) / 100 if acc else None)
+    prompt = re.search(r"prompt eval time =\s*([\d.]+) ms", log)
+    m = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", log.split("prompt eval time")[-1])
+    if not m:
+        raise RuntimeError(f"no eval time in the output of {tool}: {log[-1500:]}")
+    return Timing(int(m.group(2)), float(m.group(1)) / 1e3, float(prompt.group(1)) / 1e3 if prompt else None)
+
+
+def version(folder: Path) -> str:
+    """The version llama.cpp reports of itself, and the llama-cpp-python sdist the tools were built from
+    where the folder is laid out as benchmarks/llama_cpp.sh lays it out (<version>/build/bin)."""
+    proc = subprocess.run([str(Path(folder) / COMPLETION), "--version"], capture_output=True, text=True)
+    m = re.search(r"version: (\S+)", proc.stderr + proc.stdout)
+    own = m.group(1) if m else "version unknown"
+    built = Path(folder).parent.parent.name
+    return f"vendored in llama-cpp-python {built} ({own})" if Path(folder).name == "bin" else own
+
+
+class LlamaCpp:
+    """llama.cpp's tools in `folder`, run on `gguf` with `threads` threads."""
+
+    def __init__(self, folder: Path, gguf: Path, threads: int):
+        self.folder, self.gguf, self.threads = Path(folder), Path(gguf), threads
+        missing = [t for t in (COMPLETION, SPECULATIVE) if not (self.folder / t).is_file()]
+        if missing:
+            raise UsageError(f"{self.folder} lacks llama.cpp's {', '.join(missing)} "
+                             "(bash benchmarks/llama_cpp.sh builds them and prints their folder)")
+        if not self.gguf.is_file():
+            raise UsageError(f"GGUF file {self.gguf} not found: llama.cpp runs the file the target was exported "
+                             "from (give it with --gguf)")
+
+    def plain(self, prompt: str, n: int, temperature: float, seed: int) -> Timing:
+        args = tool_args(self.gguf, n, self.threads, temperature, seed) + list(PLAIN_ARGS)
+        return run_tool(self.folder / COMPLETION, args, prompt, speculative=False)
+
+    def ngram(self, prompt: str, n: int, seed: int) -> Timing:
+        """Greedy n-gram speculation (the tool's sampled speculation is not what is compared)."""
+        args = tool_args(self.gguf, n, self.threads, 0.0, seed) + list(NGRAM_ARGS)
+        return run_tool(self.folder / SPECULATIVE, args, prompt, speculative=True)
