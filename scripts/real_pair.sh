@@ -10,8 +10,8 @@ bash scripts/setup.sh
 OUT=${EDGE_SD_PAIR:-engines/gemma3-270m_smollm2-135m}
 bash scripts/prepare_real_pair.sh "$OUT"
 # DISCO's stop classifier, fitted on the first 4 prompts of each benchmark set (the benchmarks measure
-# from the 5th on): with it, auto ran 1.42-1.49x against 1.29-1.35x without it (greedy, held-out prompts).
-# A pair exported again has no disco.json, so it is calibrated again.
+# from the 5th on; benchmarks/results/disco_heldout.md compares auto with and without it). A pair
+# exported again has no disco.json, so it is calibrated again.
 if [ ! -f "$OUT/disco.json" ]; then
     echo "calibrating DISCO on $OUT (about a minute)"
     .venv/bin/edge-sd calibrate "$OUT" --per-set 4 --draft-max 6 -n 48 --threads 2 > /dev/null \
