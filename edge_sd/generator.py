@@ -42,7 +42,7 @@ from edge_sd.lookahead import (
     StaticSchedule,
 )
 from edge_sd.loop import Decoder, Emitted
-from edge_sd.model import Model, render_chat
+from edge_sd.model import Costs, Model, render_chat
 from edge_sd.sampling import SamplingConfig
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
@@ -367,19 +367,22 @@ class Generator:
         model, cfg = self.model, self.config
         if cfg.seed is not None and not greedy:
             if self._own_schedule is None:
-                costs = model.fixed_costs(k)
-                self._own_schedule = CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers},
-                                                  greedy=greedy, catch_up=costs.position, learn_costs=False)
+                self._own_schedule = _new_cost_schedule(proposers, k, model.fixed_costs(k), greedy, learn_costs=False)
             else:
                 self._own_schedule.rebind(proposers)
             return self._own_schedule
         key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, tuple(proposers))
         schedule = model.borrow_schedule(key)
         if schedule is None:
-            costs = model.costs(k)
-            schedule = CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers}, greedy=greedy,
-                                    catch_up=costs.position)
+            schedule = _new_cost_schedule(proposers, k, model.costs(k), greedy, learn_costs=True)
         else:
             schedule.rebind(proposers)
         self._schedule_key = key
         return schedule
+
+
+def _new_cost_schedule(proposers: dict[str, Proposer], k: int, costs: Costs, greedy: bool,
+                       learn_costs: bool) -> CostSchedule:
+    """A cost schedule starting from the engines' costs, every algorithm at the drafter's step cost."""
+    return CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers}, greedy=greedy,
+                        catch_up=costs.position, learn_costs=learn_costs)

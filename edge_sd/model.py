@@ -214,12 +214,9 @@ class Model:
         candidates are the target's own tokenization of the drafter's greedy text, which TLI (drafting
         from the shared tokens only) and SLRS (proposing prefixes of the drafter's tokens) approximate.
         Sampling, SLEM's candidate is accepted only when the target samples the drafter's greedy text
-        exactly, TLI's and SLRS's with min(1, p/q). Measured on both pairs here, SLEM was accepted more
-        than the other two at every k greedy and less at every k sampling (T=1); side by side, auto
-        weighing all three ran at 1.21x plain decoding greedy (mean of 32 generations; median 1.20x)
-        against 1.29x (1.25x) with SLEM alone, and sampling at medians of 0.98x and 1.01x (two passes of
-        16 generations) against 1.02x and 1.05x without SLEM: exploring the weaker ones costs and never
-        finds them better."""
+        exactly, TLI's and SLRS's with min(1, p/q). So SLEM is accepted more than the other two greedy
+        and less sampling, and auto weighing all three ran slower in both modes than with the menu cut
+        this way: exploring the weaker ones costs and never finds them better."""
         if algo == "plain":
             return ()
         if algo != "auto":

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from edge_sd.bench import prompts as prompt_sets
 from edge_sd.errors import UsageError
 from edge_sd.export.prune import pruned_copy
 from edge_sd.pipeline import GenerationConfig, Pipeline
+
+if TYPE_CHECKING:
+    from edge_sd.bench.llama_cpp import LlamaCpp
 
 MODES = {"greedy": 0.0, "sample": 1.0}  # temperature of each mode
 EDGE_ALGORITHMS = ("slem", "tli", "slrs")
@@ -289,7 +293,7 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
     )
 
 
-def _run_llama(llama, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
+def _run_llama(llama: LlamaCpp, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
     # Timed by the tool itself, its model load left out as edge-sd's is: the prompt's prefill plus the
     # decoding. Its token ids are not read, so its rows are compared on speed only.
     t = (llama.ngram(prompt.text, max_new, seed) if cfg.algorithm == "ngram"

@@ -49,7 +49,7 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
     ref = full[PROMPT_LEN:]
     worst["single"] = max(worst["single"], rel(steps(engine, ids, 1), ref, scale))
     pairs = steps(engine, ids, 2)
-    worst["head"] = max(worst.get("head", 0.0), rel(steps(engine, ids, 2, head_rows=1), pairs, scale))
+    worst["head"] = max(worst["head"], rel(steps(engine, ids, 2, head_rows=1), pairs, scale))
     engine.truncate(PROMPT_LEN)
     multi = engine.forward(ids[PROMPT_LEN:])
     worst["multi"] = max(worst["multi"], rel(pairs, ref, scale), rel(multi, ref, scale))
@@ -67,7 +67,7 @@ def min_head_rows_for(worst: dict[str, float], min_step: int) -> int | None:
     """1 where two-position steps are needed but the LM head gives its last row alone exactly what it
     gives it beside another (8-bit MatMulNBits: a one-row head then saves the second row's pass over
     the largest weight); None where the head must compute min_step rows like the rest."""
-    return 1 if min_step > 1 and worst.get("head", 1.0) == 0.0 else None
+    return 1 if min_step > 1 and worst["head"] == 0.0 else None
 
 
 def check(engine) -> dict:
