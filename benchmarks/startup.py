@@ -1,17 +1,21 @@
 """Start-up and memory of `edge-sd generate`: time from launch to the first generated text, and the
-process's peak resident memory against the engines' weights plus their KV buffers.
+process's resident memory against the engines' weights plus their KV buffers.
 
-    .venv/bin/python benchmarks/startup.py engines/gemma3-270m_smollm2-135m [OTHER_FOLDER ...] [--runs 3]
+    .venv/bin/python benchmarks/startup.py engines/gemma3-270m_smollm2-135m [OTHER_FOLDER ...] [--runs 4]
 
-Each folder is launched --runs times in a fresh process (`edge-sd generate FOLDER -p ... -n 32`); the
-first launch after a folder was written pays the operating system's file cache filling, later ones
-do not. Writes benchmarks/results/startup.md.
+Each folder is launched --runs times in a fresh process (`edge-sd generate FOLDER -p ... -n 32`). The
+first launch starts without the engines' runtime_cache (it is removed first): it builds ONNX Runtime's
+sessions from the engines and saves what later launches reuse (engines/prepared.py). Memory: one
+process loads the folder, then generates --memory-tokens tokens (greedy, auto; a reply that ends early
+is followed by another turn), reading its resident set after loading, every 256 tokens and at the end,
+and its peak. Writes benchmarks/results/startup.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import shutil
 import statistics
 import subprocess
@@ -20,6 +24,7 @@ import time
 from pathlib import Path
 
 from edge_sd.bench.run import machine
+from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, load_engine_manifest, load_pair_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,45 +70,73 @@ def launch(folder: Path, new_tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", type=Path)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--memory-tokens", type=int, default=2048)
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     rows = []
     for folder in args.folders:
+        for e in engines(folder):
+            shutil.rmtree(e / CACHE_DIR, ignore_errors=True)
         runs = [launch(folder, args.n) for _ in range(args.runs)]
-        # Peak memory: one generation in a process of its own, which reports its own maximum.
-        proc = subprocess.run([sys.executable, "-c", _PEAK, str(folder), str(args.n)], capture_output=True, text=True)
-        peak_mb = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else float("nan")
-        weights, kv = weights_and_kv(folder, 64 + args.n)
+        proc = subprocess.run([sys.executable, "-c", _MEMORY, str(folder), str(args.memory_tokens)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"memory run failed: {proc.stderr[-1000:]}")
+        mem = json.loads(proc.stdout.strip().splitlines()[-1])
+        weights, kv = weights_and_kv(folder, mem["positions"])
         rows.append({"folder": str(folder), "first": runs[0],
                      "later": statistics.median(runs[1:]) if len(runs) > 1 else None,
-                     "peak_mb": peak_mb, "weights_mb": weights, "kv_mb": kv})
+                     "weights_mb": weights, "kv_mb": kv, **mem})
         print(rows[-1], file=sys.stderr, flush=True)
     m = machine()
     lines = ["# Start-up and memory of `edge-sd generate`", "",
              f"{datetime.date.today().isoformat()}; {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}; "
-             f"`edge-sd generate FOLDER -p \"{PROMPT}\" -n {args.n} --threads 2`, each launch a fresh process. "
-             f"Command: `python benchmarks/startup.py {' '.join(str(f) for f in args.folders)} --runs {args.runs}`.",
-             "", "| folder | first text, first launch (s) | first text, later launches (s, median) | peak RSS (MB) | "
-             "weights (MB) | KV buffers (MB) | RSS / (weights + KV) |", "|---|---|---|---|---|---|---|"]
+             f"`edge-sd generate FOLDER -p \"{PROMPT}\" -n {args.n} --threads 2`, each launch a fresh process, "
+             "the first one without the engines' runtime_cache. Command: "
+             f"`python benchmarks/startup.py {' '.join(str(f) for f in args.folders)} --runs {args.runs} "
+             f"--memory-tokens {args.memory_tokens}`.", "",
+             "| folder | first text, first launch (s) | first text, later launches (s, median) | "
+             "weights (MB) | KV buffers (MB) | resident after loading (MB) | "
+             f"resident after {args.memory_tokens} tokens (MB) | peak (MB) | after {args.memory_tokens} tokens / "
+             "(weights + KV) | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         later = f"{r['later']:.2f}" if r["later"] is not None else "-"
-        ratio = r["peak_mb"] / (r["weights_mb"] + r["kv_mb"])
-        lines.append(f"| {Path(r['folder']).name} | {r['first']:.2f} | {later} | {r['peak_mb']:.0f} | "
-                     f"{r['weights_mb']:.0f} | {r['kv_mb']:.0f} | {ratio:.2f}x |")
+        base = r["weights_mb"] + r["kv_mb"]
+        lines.append(f"| {Path(r['folder']).name} | {r['first']:.2f} | {later} | {r['weights_mb']:.0f} | "
+                     f"{r['kv_mb']:.0f} | {r['loaded']:.0f} | {r['end']:.0f} | {r['peak']:.0f} | "
+                     f"{r['end'] / base:.2f}x | {r['peak'] / base:.2f}x |")
+    lines += ["", "Resident memory every 256 tokens (MB):", ""]
+    lines += [f"- {Path(r['folder']).name}: {', '.join(f'{x:.0f}' for x in r['trace'])}" for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-# The peak resident memory of one generation in a process of its own (ru_maxrss of that process).
-_PEAK = """
-import resource, sys
-from edge_sd import GenerationConfig, Pipeline
-pipe = Pipeline.from_folder(sys.argv[1], threads=2)
-pipe.generate("The three primary colors are", GenerationConfig(max_new_tokens=int(sys.argv[2])))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3)
+# One process: load, then generate, reading its own resident set (VmRSS) and peak (VmHWM) in MB.
+_MEMORY = """
+import json, sys
+from edge_sd import GenerationConfig, Model
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1e3 for line in f if line.startswith(key))
+
+model = Model.load(sys.argv[1], threads=2)
+total = int(sys.argv[2])
+loaded = status("VmRSS")
+gen = model.generator(GenerationConfig(max_new_tokens=total))
+gen.append_text("Write a long story about a lighthouse keeper and the ships she watched for forty years.")
+done, trace = 0, []
+while done < total:
+    if gen.is_done:  # the reply ended early: another turn keeps the sequence growing
+        gen.append_text(" Go on.")
+    done += len(gen.generate_next_tokens().ids)
+    if done // 256 > len(trace):
+        trace.append(status("VmRSS"))
+print(json.dumps({"loaded": loaded, "end": status("VmRSS"), "peak": status("VmHWM"), "trace": trace,
+                  "positions": len(gen.ids)}))
 """
 
 

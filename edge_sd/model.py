@@ -21,6 +21,7 @@ from edge_sd.algorithms.rdk import Kernel
 from edge_sd.config import GenerationConfig
 from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine, OrtSession
+from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.errors import ArtifactError, UsageError
 from edge_sd.manifest import (
     ENGINE_FILE,
@@ -38,6 +39,9 @@ CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 3
 # Written by `edge-sd calibrate`: the costs measured there, which seeded generations plan with.
 COSTS_FILE = "costs.json"
+# Seconds a session being built gets to reach ONNX Runtime (which lets go of Python's lock) before a
+# tokenizer is read (which holds it): the few milliseconds of Python before it, with room to spare.
+SESSION_HEAD_START = 0.05
 
 
 _M = TypeVar("_M", bound="Model")  # load() of a subclass (Pipeline) returns that subclass
@@ -78,12 +82,22 @@ class Side:
         from concurrent.futures import ThreadPoolExecutor
 
         m = load_engine_manifest(folder)
-        # The tokenizer (seconds for a 262k vocabulary) is read while ONNX Runtime builds the session.
+        # ONNX Runtime builds the session outside Python's lock, but `tokenizers` holds the lock while it
+        # reads a tokenizer.json (a second for a 262k vocabulary): the session is started first, in a
+        # thread, and given a head start into ONNX Runtime before the tokenizer is read here.
+        started = threading.Event()
+
+        def build() -> OrtSession:
+            started.set()
+            return OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
+                              min_step_positions=1 if drafter else None)
+
         with ThreadPoolExecutor(1) as pool:
-            vocab = pool.submit(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids)
-            self.session = OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
-                                      min_step_positions=1 if drafter else None)
-            self.vocab = vocab.result()
+            session = pool.submit(build)
+            started.wait()
+            time.sleep(SESSION_HEAD_START)
+            self.vocab = Vocab.from_file(folder / m.tokenizer_file, m.eos_token_ids, cache=folder / CACHE_DIR)
+            self.session = session.result()
         self.manifest: EngineManifest = self.session.manifest
         self.kept = _kept_ids(folder, self.manifest, self.vocab.size)
         self._engine: OrtEngine | None = None

@@ -6,8 +6,10 @@ in the middle of a UTF-8 character, so nothing here decodes partial bytes to `st
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,23 @@ SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 # How many committed tokens of context a re-tokenization window keeps on its left, so that merges
 # across the window's left edge come out as they would in the full text.
 WINDOW_TOKENS = 6
+# Vocab's tables as a loaded engine keeps them (Tables), and their layout's version.
+TABLES_FILE = "vocab_tables.npz"
+TABLES_FORMAT = 1
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the operating system (glibc only; elsewhere nothing).
+
+    Reading a tokenizer.json parses it whole before building the tokenizer: for a 262k vocabulary
+    about 200 MB, freed at once but kept by glibc's allocator, where it would stay resident for the
+    process's life."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -76,40 +95,98 @@ def utf8_complete(data: bytes) -> bytes:
     return data[: _utf8_complete_end(data)]
 
 
-class Vocab:
-    """A tokenizer plus the byte string of every id (None for special tokens)."""
+@dataclass
+class Tables:
+    """What Vocab reads from a tokenizer.json: its style, special ids, byte-fallback ids and the byte
+    string of every id (None for special tokens and EOS). Spelling 262k tokens takes about a second,
+    so a loaded engine keeps these beside it (`save`/`load`, in its runtime_cache)."""
 
-    def __init__(self, tokenizer: Tokenizer, tokenizer_json: dict, eos_ids: list[int] | None = None):
-        self.tokenizer = tokenizer
-        self.style = _style(tokenizer_json)
-        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {
-            t["id"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")
-        }
-        self.eos_ids = list(eos_ids or [])
+    style: str
+    special_ids: set[int]
+    token_bytes: list[bytes | None]
+    byte_fallback_ids: set[int]
+
+    @classmethod
+    def build(cls, tokenizer: Tokenizer, tokenizer_json: dict, eos_ids: list[int]) -> Tables:
+        style = _style(tokenizer_json)
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        special_ids = {t["id"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")}
         model = tokenizer_json.get("model", {})
         byte_fallback = bool(model.get("byte_fallback"))
         added = {t["id"]: t for t in tokenizer_json.get("added_tokens", [])}
-        self.token_bytes: list[bytes | None] = []
-        self.byte_fallback_ids: set[int] = set()
+        token_bytes: list[bytes | None] = []
+        byte_fallback_ids: set[int] = set()
         # id -> piece as the tokenizer's id_to_token gives it (added tokens first), read from the
         # tables in one pass rather than 262k calls into the tokenizer.
         pieces: dict[int, str] = {i: piece for piece, i in model.get("vocab", {}).items()}
         pieces.update((t["id"], t["content"]) for t in tokenizer_json.get("added_tokens", []))
-        for i in range(self.size):
-            if i in self.special_ids or i in self.eos_ids:
-                self.token_bytes.append(None)
+        for i in range(size):
+            if i in special_ids or i in eos_ids:
+                token_bytes.append(None)
                 continue
             piece = pieces[i] if i in pieces else tokenizer.id_to_token(i)
             if piece is None:
-                self.token_bytes.append(None)
+                token_bytes.append(None)
             elif i in added and not added[i].get("special") and piece not in model.get("vocab", {}):
                 # Added (non-special) tokens are stored as plain text, not in the model's alphabet.
-                self.token_bytes.append(piece.encode("utf-8") or None)
+                token_bytes.append(piece.encode("utf-8") or None)
             else:
-                self.token_bytes.append(_piece_bytes(piece, self.style, byte_fallback))
+                token_bytes.append(_piece_bytes(piece, style, byte_fallback))
                 if byte_fallback and _BYTE_FALLBACK.match(piece):
-                    self.byte_fallback_ids.add(i)
+                    byte_fallback_ids.add(i)
+        return cls(style, special_ids, token_bytes, byte_fallback_ids)
+
+    def save(self, path: Path, key: dict) -> None:
+        """Write to `path` (aside, then renamed over it), with the key that says what it was made from."""
+        lengths = np.asarray([-1 if b is None else len(b) for b in self.token_bytes], dtype=np.int32)
+        blob = np.frombuffer(b"".join(b for b in self.token_bytes if b), dtype=np.uint8)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, key=np.asarray(json.dumps({**key, "style": self.style})), lengths=lengths, blob=blob,
+                     special=np.asarray(sorted(self.special_ids), dtype=np.int64),
+                     byte_fallback=np.asarray(sorted(self.byte_fallback_ids), dtype=np.int64))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, key: dict) -> Tables | None:
+        """The tables saved at `path`, if made from what `key` describes (else None)."""
+        try:
+            with np.load(path) as z:
+                meta = json.loads(str(z["key"]))
+                if {k: v for k, v in meta.items() if k != "style"} != key:
+                    return None
+                lengths, blob = z["lengths"].tolist(), z["blob"].tobytes()
+                special, fallback = set(z["special"].tolist()), set(z["byte_fallback"].tolist())
+        except (OSError, ValueError, KeyError):
+            return None
+        token_bytes: list[bytes | None] = []
+        at = 0
+        for n in lengths:
+            if n < 0:
+                token_bytes.append(None)
+            else:
+                token_bytes.append(blob[at : at + n])
+                at += n
+        return cls(meta["style"], special, token_bytes, fallback) if at == len(blob) else None
+
+
+class Vocab:
+    """A tokenizer plus the byte string of every id (None for special tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer, tokenizer_json: dict | None, eos_ids: list[int] | None = None,
+                 tables: Tables | None = None):
+        """tokenizer_json: the file's parts Vocab reads (None: described from the tokenizer); not read
+        when `tables` (built from them earlier) are given."""
+        self.tokenizer = tokenizer
+        self.size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_ids = list(eos_ids or [])
+        if tables is None:
+            tables = Tables.build(tokenizer, tokenizer_json or _described(tokenizer), self.eos_ids)
+        self.tables = tables
+        self.style = tables.style
+        self.special_ids = tables.special_ids
+        self.token_bytes = tables.token_bytes
+        self.byte_fallback_ids = tables.byte_fallback_ids
         self.single_byte: dict[int, int] = {}
         for i, b in enumerate(self.token_bytes):
             if b is not None and len(b) == 1 and (b[0] not in self.single_byte or i in self.byte_fallback_ids):
@@ -141,7 +218,9 @@ class Vocab:
         return max((len(b) for b in self.by_bytes), default=0)
 
     @classmethod
-    def from_file(cls, path: Path, eos_ids: list[int] | None = None) -> Vocab:
+    def from_file(cls, path: Path, eos_ids: list[int] | None = None, cache: Path | None = None) -> Vocab:
+        """cache: a folder to keep the spelled tables in (TABLES_FILE), read instead of spelling them
+        again while the tokenizer file and the EOS ids are unchanged; None: spell them."""
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"tokenizer file {path} not found")
@@ -149,7 +228,21 @@ class Vocab:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
-        return cls(tok, _described(tok), eos_ids)
+        release_freed_memory()
+        if cache is None:
+            return cls(tok, None, eos_ids)
+        stat = path.stat()
+        key = {"format": TABLES_FORMAT, "tokenizer": [path.name, stat.st_size, stat.st_mtime_ns],
+               "eos": list(eos_ids or [])}
+        tables = Tables.load(cache / TABLES_FILE, key)
+        vocab = cls(tok, None, eos_ids, tables)
+        if tables is None:
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                vocab.tables.save(cache / TABLES_FILE, key)
+            except OSError:
+                pass  # a read-only folder: spelled again on the next load
+        return vocab
 
     def ids_bytes(self, ids: list[int] | np.ndarray) -> bytes:
         """Concatenated bytes of token ids; special tokens contribute nothing."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edge_sd.engines import prepared
 from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
@@ -76,12 +77,7 @@ class OrtSession:
                                  m.max_context))
             if n == PROVIDERS["tensorrt"] else n for n in names
         ]
-        try:
-            self.session = ort.InferenceSession(str(self.folder / m.model_file), sess_options=opts, providers=chosen)
-        except Exception as e:  # ORT raises its own exception types for unreadable models
-            raise ArtifactError(
-                f"{self.folder / m.model_file}: ONNX Runtime could not load it ({_first_line(e)})"
-            ) from None
+        self.session, self.graph_cache = self._build(opts, chosen, names)
         self.providers = self.session.get_providers()
         unverified = [short for short, full in PROVIDERS.items() if short in UNVERIFIED and full in self.providers]
         if unverified:
@@ -111,6 +107,41 @@ class OrtSession:
                     f"{m.name}: through {self.providers[0]} its forwards disagree with each other by {worst:.1e} "
                     f"of the logits' scale: its results would be wrong here{advice}"
                 )
+
+    def _build(self, opts: ort.SessionOptions, chosen: list, names: list[str]) -> tuple[ort.InferenceSession, str]:
+        """The session, from the graph a first load saved beside the engine where there is one
+        (engines/prepared.py), else from the engine, saving it for the next load. Also says which:
+        "loaded" / "saved" from or into that cache, "" neither."""
+        original = self.folder / self.manifest.model_file
+        if not prepared.wanted(self.manifest, names):
+            return self._session(original, opts, chosen), ""
+        key = prepared.cache_key(self.manifest, self.folder)
+        saved = prepared.saved_model(self.folder, key)
+        if saved is not None:
+            level = opts.graph_optimization_level
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+            try:
+                return ort.InferenceSession(str(saved), sess_options=opts, providers=chosen), "loaded"
+            except Exception:  # damaged: made again below
+                prepared.discard(saved.parent)
+                opts.graph_optimization_level = level
+        tmp = prepared.save_to(opts, self.folder)
+        try:
+            session = self._session(original, opts, chosen)
+        except BaseException:
+            if tmp is not None:
+                prepared.discard(tmp)
+            raise
+        if tmp is None:
+            return session, ""
+        prepared.commit(tmp, self.folder, key)
+        return session, "saved"
+
+    def _session(self, path: Path, opts: ort.SessionOptions, chosen: list) -> ort.InferenceSession:
+        try:
+            return ort.InferenceSession(str(path), sess_options=opts, providers=chosen)
+        except Exception as e:  # ORT raises its own exception types for unreadable models
+            raise ArtifactError(f"{path}: ONNX Runtime could not load it ({_first_line(e)})") from None
 
     def engine(self, capacity: int | None = None) -> OrtEngine:
         """A new engine over this OrtSession: an empty KV cache of its own."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_sd.engines.prepared import CACHE_DIR
+from edge_sd.engines.providers import TRT_CACHE_DIR
 from edge_sd.errors import ExportError, UsageError
 from edge_sd.export.logits import drop_shapes, lm_head
 from edge_sd.export.logits import load as load_model
@@ -429,7 +431,7 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
         _SAMPLES[key] = calibration_samples(_side(pair / pm.target), _side(pair / pm.drafter), maps, texts)
     with atomic_folder(dest, force=True) as tmp:
         for f in pair.rglob("*"):
-            if f.is_file() and f.name != ".recipe" and "trt_cache" not in f.parts:
+            if f.is_file() and f.name != ".recipe" and not {TRT_CACHE_DIR, CACHE_DIR} & set(f.parts):
                 to = tmp / f.relative_to(pair)
                 to.parent.mkdir(parents=True, exist_ok=True)
                 try:
