@@ -36,7 +36,6 @@ class Oracle:
     def __init__(self, state, plain_bytes: bytes):
         self.state, self.truth = state, state.head + plain_bytes
         self.wrong = 0  # drafted tokens that left the known text
-        state.stopper = self
 
     def __call__(self, logits, position: int) -> bool:
         s = self.state
@@ -59,7 +58,7 @@ def main() -> None:
     import numpy as np
 
     from edge_sd.bench import prompts as prompt_sets
-    from edge_sd.lookahead import StaticSchedule
+    from edge_sd.lookahead import StaticSchedule, StoppedSchedule
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.pipeline import GenerationConfig, Pipeline
 
@@ -91,7 +90,7 @@ def main() -> None:
                 def make(proposers, _o=oracle, _b=plain_bytes):
                     (proposer,) = proposers.values()
                     _o.append(Oracle(proposer.drafter, _b))
-                    return StaticSchedule(proposer, args.k)
+                    return StoppedSchedule(StaticSchedule(proposer, args.k), _o[-1])
             res = pipe.generate(prompt.text, GenerationConfig(max_new_tokens=args.n, **kw), make_schedule=make)
             if res.token_ids != base.token_ids:
                 raise SystemExit(f"{label} on {prompt.id}: output differs from plain decoding")

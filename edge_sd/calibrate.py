@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,6 @@ class TraceRecorder(StaticSchedule):
         self.algo = algo
         assert proposer.drafter is not None, "calibration records drafter drafts"
         self.state: DrafterState = proposer.drafter
-        self.state.stopper = self._record
         self.recent = 0.5
         self.rounds: list[tuple[list[np.ndarray], list[int]]] = []
         self.draft_s: list[float] = []  # seconds per drafted token, per round
@@ -116,7 +116,7 @@ class TraceRecorder(StaticSchedule):
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
         self._features, self._ends = [], []
         self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
-        return super().plan(budget)
+        return replace(super().plan(budget), stop=self._record)  # records each drafted token, stops none
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:

@@ -319,7 +319,7 @@ class Generator:
         name = cfg.schedule or ("cost" if self.algorithm == "auto" else "static")
         if not proposers:
             return StaticSchedule(None, 0), 0
-        disco = model.disco if state is not None else None  # a stopper ends drafter drafts only
+        disco = model.disco if state is not None else None  # a stop rule ends drafter drafts only
         if name == "disco" and disco is None:
             raise UsageError("the disco schedule needs a calibrated pair and a drafter: run `edge-sd calibrate PAIR` "
                              "first")
@@ -330,7 +330,7 @@ class Generator:
             assert disco is not None and state is not None
             k = cfg.lookahead if cfg.lookahead is not None else disco.k
             (proposer,) = proposers.values()
-            return DiscoSchedule(StaticSchedule(proposer, k), disco, state, names), k
+            return DiscoSchedule(StaticSchedule(proposer, k), disco, names), k
         if name in ("cost", "disco"):
             k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_MAX_LOOKAHEAD
             cost = self._cost_model(proposers, k, greedy)
@@ -338,14 +338,14 @@ class Generator:
             # the drafter has run one (probes only catch up), the step measured at load stands in.
             if state is not None and state.step_s is None:
                 state.step_s = model.costs(k).step
-            # auto: the cost model decides whether to draft, a stopper when to stop: DISCO where the
+            # auto: the cost model decides whether to draft, a stop rule when to stop: DISCO where the
             # pair's classifier was calibrated for this kind of decoding (greedy or sampling; asked for
             # by name, it runs either way), else in greedy decoding the confidence cut.
             if disco is not None and state is not None and (
                     name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
-                return DiscoSchedule(cost, disco, state, names), k
+                return DiscoSchedule(cost, disco, names), k
             if cfg.schedule is None and greedy and state is not None:
-                return ConfidenceSchedule(cost, state), k
+                return ConfidenceSchedule(cost), k
             return cost, k
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
@@ -354,8 +354,7 @@ class Generator:
         if name == "heuristic":
             return HeuristicSchedule(proposer, k, max(k, DEFAULT_MAX_LOOKAHEAD)), k
         if name == "confidence":
-            assert state is not None
-            return ConfidenceSchedule(StaticSchedule(proposer, k), state), k
+            return ConfidenceSchedule(StaticSchedule(proposer, k)), k
         return StaticSchedule(proposer, k), k
 
     def _cost_model(self, proposers: dict[str, Proposer], k: int, greedy: bool) -> CostSchedule:

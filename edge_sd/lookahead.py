@@ -21,12 +21,12 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
-from edge_sd.algorithms.base import DrafterState, Proposer
+from edge_sd.algorithms.base import Proposer, StopRule
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
 
 # Acceptance estimates start from 0.5 with the weight of PRIOR rounds each side, and forget the past at
@@ -62,8 +62,12 @@ CARRY = 4.0
 
 @dataclass
 class Plan:
+    """A round's proposer and draft length (0 or no proposer: a plain step), and the rule that may
+    end a drafter's draft sooner (None: it runs to m)."""
+
     proposer: Proposer | None
     m: int
+    stop: StopRule | None = None
 
 
 class Schedule(Protocol):
@@ -71,7 +75,7 @@ class Schedule(Protocol):
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
         """This round's proposer and draft length, at most `budget` (0 when nothing may be drafted).
-        open_ended: a stopper ends each draft (DISCO, the confidence cut), so a schedule that chooses
+        open_ended: a stop rule ends each draft (DISCO, the confidence cut), so a schedule that chooses
         the length may let a draft that pays run to its longest."""
         ...
 
@@ -104,13 +108,12 @@ class StaticSchedule:
 
 
 class ConfidenceCut:
-    """Stops a draft after a token drawn where the drafter's top probability (at temperature 1) was
-    below the threshold (a drafter state's `stopper`)."""
+    """A stop rule: a draft ends after a token drawn where the drafter's top probability (at
+    temperature 1) was below the threshold."""
 
-    def __init__(self, state: DrafterState, threshold: float = CONFIDENCE):
+    def __init__(self, threshold: float = CONFIDENCE):
         self.threshold = threshold
         self.stopped = 0
-        state.stopper = self
 
     def __call__(self, logits: np.ndarray, position: int) -> bool:
         keep = bool(token_features(logits, position, 0.0, "")[0] >= self.threshold)
@@ -254,7 +257,7 @@ class CostSchedule:
             acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
         # Proposers that run the drafter, and those that need no model (prompt lookup): only the
-        # former pay the drafter's catching up, probe, and stop at a stopper.
+        # former pay the drafter's catching up, probe, and stop at a stop rule.
         self._drafting = [a for a, p in proposers.items() if p.drafter is not None]
         self._free = [a for a, p in proposers.items() if p.drafter is None]
         self._state = next((p.drafter for p in proposers.values() if p.drafter is not None), None)
@@ -286,7 +289,7 @@ class CostSchedule:
                    for m in range(1, k + 1))
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        """open_ended: a stopper (DISCO) ends each drafter draft, so one that pays may run to the longest.
+        """open_ended: a stop rule (DISCO) ends each drafter draft, so one that pays may run to the longest.
 
         The drafter's algorithms are planned first (below); a proposer that needs no model (prompt
         lookup) then takes the round where its continuation, available now, is expected to be faster
@@ -341,7 +344,7 @@ class CostSchedule:
                 best_algo = max(self._drafting, key=lambda a: max(self._rates(a, longest, OPTIMISM)[shortest - 1:]))
                 best_m = longest
                 if drafts and open_ended:
-                    best_m = k  # the stopper ends it
+                    best_m = k  # the stop rule ends it
                 elif drafts:
                     depths = self._rates(best_algo, k, self.depth_optimism) if self.depth_optimism else rates[best_algo]
                     best_m = 1 + int(np.argmax(depths))
@@ -391,22 +394,23 @@ class CostSchedule:
 
 
 class StoppedSchedule:
-    """A stopper on top of another schedule: the inner one decides whether to draft, with which
-    algorithm and how far at most (a static k; on the cost model, its longest draft); the stopper
-    (the drafter state's `stopper`) ends the draft."""
+    """A stop rule on top of another schedule: the inner one decides whether to draft, with which
+    algorithm and how far at most (a static k; on the cost model, its longest draft); the rule, which
+    its plans carry, ends the draft."""
 
     name = "stopped"
 
-    def __init__(self, inner: Schedule):
+    def __init__(self, inner: Schedule, stop: StopRule):
         self.inner = inner
+        self.stop = stop
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        # On the cost model, the cost model decides whether a draft starts, the stopper when it ends.
+        # On the cost model, the cost model decides whether a draft starts, the stop rule when it ends.
         # DISCO's threshold was fitted on tokens per second at calibration; stopping where the cost
         # model's estimates said the next token would not pay (DISCO's probability times the next
         # position's acceptance) ran slower side by side (held-out greedy prompts, 2 passes: 1.26x/1.39x
         # against 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
-        return self.inner.plan(budget, open_ended=True)
+        return replace(self.inner.plan(budget, open_ended=True), stop=self.stop)
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
@@ -422,13 +426,12 @@ class DiscoSchedule(StoppedSchedule):
 
     name = "disco"
 
-    def __init__(self, inner: Schedule, model: DiscoModel, state: DrafterState, names: dict[int, str]):
-        super().__init__(inner)
+    def __init__(self, inner: Schedule, model: DiscoModel, names: dict[int, str]):
+        super().__init__(inner, self._keep_drafting)
         self.model, self.names = model, names
         self.recent = 0.5
         self.algo = ""
         self.stopped = 0
-        state.stopper = self._keep_drafting
 
     def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
         keep = self.model.prob(token_features(logits, position, self.recent, self.algo)) >= self.model.threshold
@@ -458,9 +461,9 @@ class ConfidenceSchedule(StoppedSchedule):
 
     name = "confidence"
 
-    def __init__(self, inner: Schedule, state: DrafterState, threshold: float = CONFIDENCE):
-        super().__init__(inner)
-        self.cut = ConfidenceCut(state, threshold)
+    def __init__(self, inner: Schedule, threshold: float = CONFIDENCE):
+        self.cut = ConfidenceCut(threshold)
+        super().__init__(inner, self.cut)
 
     def summary(self) -> dict:
         return {**self.inner.summary(), **self.cut.summary()}

@@ -91,7 +91,7 @@ class Decoder:
         # position with nothing to re-feed, so plain decoding takes it alone too.
         plan = self.schedule.plan(min(stream.remaining - 1, max_ctx - n) if target.n_cached else 0)
         start = time.perf_counter()
-        draft = plan.proposer.propose(plan.m, committed) if (plan.proposer and plan.m > 0) else None
+        draft = plan.proposer.propose(plan.m, committed, plan.stop) if (plan.proposer and plan.m > 0) else None
         draft_s = time.perf_counter() - start
         # -1 is a proposal with no target id (never accepted); so is an id past the logits.
         cands = [c if c < self.width else -1 for c in draft.candidates[: plan.m]] if draft else []

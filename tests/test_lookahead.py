@@ -136,11 +136,11 @@ def test_disco_on_the_cost_model_stops_drafts_that_may_run_to_the_longest() -> N
     run(dear, {"slem": 0.4, "tli": 0.4})
     assert {dear.plan(K, open_ended=True).m for _ in range(2 * PROBE_EVERY)} == {0, 1}
 
-    state = SimpleNamespace(stopper=None)
     model = SimpleNamespace(threshold=0.5, prob=lambda f: float(f[0]))  # the drafter's top probability
-    disco = DiscoSchedule(sched, model, state, {id(p): a for a, p in sched.proposers.items()})
-    assert disco.plan(K).m == K and state.stopper is not None
-    assert state.stopper(np.log([0.9, 0.1]), 1) and not state.stopper(np.log([0.4, 0.3, 0.3]), 2)
+    disco = DiscoSchedule(sched, model, {id(p): a for a, p in sched.proposers.items()})
+    stop = disco.plan(K).stop
+    assert disco.plan(K).m == K and stop is not None
+    assert stop(np.log([0.9, 0.1]), 1) and not stop(np.log([0.4, 0.3, 0.3]), 2)
     assert disco.summary()["disco"]["stopped_early"] == 1
 
 

@@ -19,6 +19,9 @@ STEP_WEIGHT = 0.1
 STEADY_PENDING = 2
 
 # (candidates, proposal rows q [m, V] or None, target distributions p [m+1, V], rng) -> (accepted, next)
+# Asked after each drafted token (its drafter logits, its position in the draft from 1) whether to
+# draft another: DISCO's classifier, the confidence cut, a recorder of calibration traces.
+StopRule = Callable[[np.ndarray, int], bool]
 Verifier = Callable[[list[int], np.ndarray | None, np.ndarray, np.random.Generator], tuple[int, int]]
 
 
@@ -49,8 +52,9 @@ class Proposer(Protocol):
         """The rule that checks this proposer's candidates under sampling."""
         ...
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
-        """Up to k candidates continuing the committed target ids."""
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
+        """Up to k candidates continuing the committed target ids; `stop` may end a drafter's draft
+        sooner (asked after each drafted token)."""
         ...
 
 
@@ -101,9 +105,7 @@ class DrafterState:
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
         self.ends: list[int] = []  # byte end of each generated-region token known to match the text
         self._last_logits: np.ndarray | None = None
-        # Asked after each drafted token (its logits, its position in the draft from 1) whether to
-        # draft another: DISCO's classifier, or a recorder of calibration traces. None: always.
-        self.stopper: Callable[[np.ndarray, int], bool] | None = None
+        self._stop: StopRule | None = None  # this draft's (budget)
         self._position = 0
         # This draft's catching up: what a forward that fed more than STEADY_PENDING positions (the
         # prompt, or tokens committed during plain steps) cost beyond a one-position step. That
@@ -112,11 +114,12 @@ class DrafterState:
         self.catch_up_s = 0.0
         self.step_s: float | None = None  # a one-position forward: its running mean (early) or EMA
 
-    def budget(self, k: int) -> int:
+    def budget(self, k: int, stop: StopRule | None = None) -> int:
         """How many tokens may be drafted now: at most k, none past the drafter's maximum context, and
         none while the committed text has bytes the drafter could not take in (see `lagging`). A
-        proposer asks it once, as a draft begins."""
+        proposer asks it once, as a draft begins, with the draft's stop rule (`keep_drafting`)."""
         self._position = 0
+        self._stop = stop
         self.catch_up_s = 0.0
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
 
@@ -131,7 +134,7 @@ class DrafterState:
     def keep_drafting(self, logits: np.ndarray) -> bool:
         """After a drafted token was pushed (drawn from `logits`): whether to draft another."""
         self._position += 1
-        return self.stopper is None or self.stopper(logits, self._position)
+        return self._stop is None or self._stop(logits, self._position)
 
     def next_logits(self) -> np.ndarray:
         """Drafter logits [V_d] for the token after `ids`, feeding what is not cached yet. Columns past

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft
+from edge_sd.algorithms.base import Draft, StopRule
 from edge_sd.sampling import sample
 
 # Longest and shortest suffix matched: longer matches are tried first (they predict better); single
@@ -79,5 +79,6 @@ class LookupProposer:
                     return h[at : at + k]
         return []
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
+        """The continuation whole: it was found at no cost, so no stop rule shortens it."""
         return Draft(self._continuation(k), None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.algorithms.base import Draft, DrafterState, StopRule
 from edge_sd.algorithms.standard import verify_standard
 from edge_sd.errors import ArtifactError
 from edge_sd.sampling import SamplingConfig, sample, warp
@@ -92,10 +92,10 @@ class RDKProposer:
         self.rng = rng
         self.eos = set(target_vocab.eos_ids)
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
         cands: list[int] = []
         rows: list[np.ndarray] = []
-        for _ in range(self.drafter.budget(k)):
+        for _ in range(self.drafter.budget(k, stop)):
             logits = self.drafter.next_logits()  # [V_d]; -inf on rows a pruned head lost
             q = warp(logits, GREEDY_DRAFT if self.cfg.greedy else self.cfg) * self.rowed[: len(logits)]
             mass = q.sum()

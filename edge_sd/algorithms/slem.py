@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState
+from edge_sd.algorithms.base import Draft, DrafterState, StopRule
 from edge_sd.sampling import sample
 from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
@@ -68,8 +68,8 @@ class SLEMProposer:
         self.target_vocab = target_vocab
         self.drafter_eos = set(drafter_eos)
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
-        k = self.drafter.budget(k)
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
+        k = self.drafter.budget(k, stop)
         healed = len(self.drafter.healing)  # bytes of the first drafted token that the prompt holds
         text = b""
         for _ in range(k):

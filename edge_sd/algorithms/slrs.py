@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState, scatter_to_targets
+from edge_sd.algorithms.base import Draft, DrafterState, StopRule, scatter_to_targets
 from edge_sd.algorithms.standard import verify_standard
 from edge_sd.sampling import SamplingConfig, sample, warp
 from edge_sd.vocab import Vocab, longest_prefix_token
@@ -32,13 +32,13 @@ class SLRSProposer:
         self.by_bytes = target_vocab.by_bytes
         self.max_len = target_vocab.max_token_len
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
-        room = self.drafter.budget(k)  # drafter tokens; leftovers cost none
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
+        room = self.drafter.budget(k, stop)  # drafter tokens; leftovers cost none
         cands: list[int] = []
         rows: list[np.ndarray] = []
         leftover = b""
         drafted = 0
-        more = True  # the stopper's answer after the last drafted token
+        more = True  # the stop rule's answer after the last drafted token
         while len(cands) < k:
             if leftover:
                 row = np.zeros(self.target_width)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_sd.algorithms.base import Draft, DrafterState, scatter_to_targets
+from edge_sd.algorithms.base import Draft, DrafterState, StopRule, scatter_to_targets
 from edge_sd.sampling import SamplingConfig, residual, sample, warp
 
 
@@ -57,10 +57,10 @@ class MappedProposer:
         self.rng = rng
         self.eos = set(eos_ids)
 
-    def propose(self, k: int, committed: list[int]) -> Draft:
+    def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
         cands: list[int] = []
         rows: list[np.ndarray] = []
-        for _ in range(self.drafter.budget(k)):
+        for _ in range(self.drafter.budget(k, stop)):
             logits = self.drafter.next_logits()  # [V_d]
             width = min(len(logits), len(self.map))
             if self.cfg.greedy:
