@@ -32,6 +32,7 @@ from edge_sd.algorithms import (
 from edge_sd.algorithms.base import Proposer
 from edge_sd.algorithms.rdk import RDKProposer
 from edge_sd.config import GenerationConfig, GenerationResult
+from edge_sd.cost_model import CostModel
 from edge_sd.errors import ContextLimitError, UsageError
 from edge_sd.lookahead import (
     ConfidenceSchedule,
@@ -383,5 +384,5 @@ class Generator:
 def _new_cost_schedule(proposers: dict[str, Proposer], k: int, costs: Costs, greedy: bool,
                        learn_costs: bool) -> CostSchedule:
     """A cost schedule starting from the engines' costs, every algorithm at the drafter's step cost."""
-    return CostSchedule(proposers, k, costs.target, {a: costs.step for a in proposers}, greedy=greedy,
-                        catch_up=costs.position, learn_costs=learn_costs)
+    return CostSchedule(proposers, k, CostModel(costs.target, {a: costs.step for a in proposers}, costs.position,
+                                                learn=learn_costs), greedy=greedy)

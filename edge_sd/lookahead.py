@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_sd.algorithms.base import Proposer, StopRule
+from edge_sd.cost_model import CostModel
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
 
 # Acceptance estimates start from 0.5 with the weight of PRIOR rounds each side, and forget the past at
@@ -45,9 +46,6 @@ PROBE = 1
 # estimates carried from texts where drafts did not pay are put to the test again on a new one (a
 # long-lived pipeline would else decode plainly for good after a few poor texts).
 PROBE_EVERY_GENERATIONS = 4
-# Cost estimates follow new measurements with this weight (exponential moving average), after a
-# plain mean over their first 1 / COST_WEIGHT measurements.
-COST_WEIGHT = 0.1
 # Which algorithm drafts is chosen on optimistic acceptance: each estimate plus this many standard
 # errors, so that one seldom tried (or tried long ago: decay shrinks its counts) is tried again, and
 # one unlucky early draft does not rule an algorithm out for the rest of the text.
@@ -137,18 +135,6 @@ class HeuristicSchedule(StaticSchedule):
             self.k = min(self.k_max, self.k + 2) if accepted == proposed else max(1, self.k - 1)
 
 
-class Estimate:
-    """A cost that follows its measurements: their plain mean at first (a starting guess counts as
-    `prior` measurements, so a poor one is soon outweighed), then an exponential moving average."""
-
-    def __init__(self, value: float, prior: int = 1):
-        self.value, self.n = value, prior
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.value += max(COST_WEIGHT, 1.0 / self.n) * (x - self.value)
-
-
 @dataclass
 class Acceptance:
     """Per draft position i: how often candidate i was accepted when it was verified (decayed counts)."""
@@ -213,9 +199,9 @@ class Acceptance:
 class CostSchedule:
     """Section 6b: choose m in 0..K and the algorithm maximising expected tokens per second.
 
-    target_cost(s): seconds of a target forward over s positions (calibrated at load, then followed
-    online); the drafting cost per drafted token is measured per algorithm as the rounds run (the
-    proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
+    The costs come from a CostModel (cost_model.py): a target forward over s positions (calibrated at
+    load, then followed online), the drafting cost per drafted token per algorithm as the rounds run
+    (the proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
 
     greedy: the draft length is chosen on optimistic acceptance too (once drafting pays on the plain
     estimates). Greedy drafts agree in runs, so a candidate after an accepted one is accepted far
@@ -226,24 +212,13 @@ class CostSchedule:
 
     name = "cost"
 
-    def __init__(self, proposers: dict[str, Proposer], k_max: int, target_cost: dict[int, float],
-                 draft_cost: dict[str, float], greedy: bool = False, catch_up: float = 0.0,
-                 learn_costs: bool = True):
-        """catch_up: seconds of each position a drafter forward feeds beyond its first.
-
-        learn_costs: follow the rounds' timings (else the costs given stay as they are, and the plan
-        depends on the rounds' acceptance alone: what a seeded generation needs to be reproducible)."""
+    def __init__(self, proposers: dict[str, Proposer], k_max: int, costs: CostModel, greedy: bool = False):
+        """costs: what rounds cost (with a fixed CostModel the plan depends on the rounds' acceptance
+        alone: what a seeded generation needs to be reproducible)."""
         self.k_max = k_max
-        self.learn_costs = learn_costs
+        self.costs = costs
         self.depth_optimism = OPTIMISM if greedy else 0.0
-        self.target_cost = {s: Estimate(c) for s, c in target_cost.items()}  # s -> seconds
-        self.draft_cost = {a: Estimate(c) for a, c in draft_cost.items()}  # algorithm -> s per drafted token
-        self.catch_up = Estimate(catch_up)
         self.acceptance = {name: Acceptance() for name in proposers}
-        # The rest of a round over s positions (verification, warping p, the text, syncing the
-        # drafter): more for a round that drafts than for a plain step, and growing with s when
-        # sampling warps each position's distribution over a large vocabulary; learnt online.
-        self.other_cost: dict[int, Estimate] = {}
         self.carry = CARRY
         self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of a generation
         self.idle_generations = -1  # generations in a row that drafted nothing (rebind counts this one)
@@ -268,25 +243,16 @@ class CostSchedule:
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
         self._behind = 0  # positions the planned draft's first drafter forward catches up
 
-    def _other(self, s: int) -> float:
-        """The rest of a round over s positions: measured, else scaled from the nearest measured size
-        below it (a plain step's for the first draft), else nothing yet."""
-        if s in self.other_cost:
-            return self.other_cost[s].value
-        below = [x for x in self.other_cost if x < s]
-        return self.other_cost[max(below)].value * s / max(below) if below else 0.0
-
     def _rates(self, algo: str, k: int, optimism: float = 0.0) -> list[float]:
         """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1])."""
         tokens = self.acceptance[algo].tokens_by_length(k, optimism)
-        return [tokens[m] / (self.target_cost[m + 1].value + m * self.draft_cost[algo].value + self._other(m + 1))
-                for m in range(1, k + 1)]
+        draft = self.costs.draft(algo)
+        return [tokens[m] / self.costs.round(m, draft) for m in range(1, k + 1)]
 
     def _could_pay(self, k: int, plain: float) -> bool:
         """Whether some drafter draft of 1..k tokens, every one accepted, would beat a plain step."""
-        draft = min(self.draft_cost[a].value for a in self._drafting)
-        return any((m + 1) / (self.target_cost[m + 1].value + m * draft + self._other(m + 1)) > plain
-                   for m in range(1, k + 1))
+        draft = min(self.costs.draft(a) for a in self._drafting)
+        return any((m + 1) / self.costs.round(m, draft) > plain for m in range(1, k + 1))
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
         """open_ended: a stop rule (DISCO) ends each drafter draft, so one that pays may run to the longest.
@@ -295,7 +261,7 @@ class CostSchedule:
         lookup) then takes the round where its continuation, available now, is expected to be faster
         than what was planned."""
         k = min(self.k_max, budget)
-        plain = 1.0 / (self.target_cost[1].value + self._other(1))
+        plain = 1.0 / self.costs.plain()
         algo, m, rate = self._plan_drafter(k, budget, plain, open_ended) if self._drafting else (None, 0, plain)
         for name in self._free:
             cap = self.proposers[name].available(k) if k > 0 else 0  # type: ignore[attr-defined]
@@ -330,12 +296,12 @@ class CostSchedule:
             # which cannot know that, only where it costs no more than a plain step (or after
             # PROBE_EVERY_GENERATIONS generations without a draft). At 48 new tokens on the 2-core CPU
             # the drafter's prompt ate all that sampled drafts gained.
-            owed = behind * self.catch_up.value
+            owed = behind * self.costs.catch_up.value
             if drafts and owed:
                 best = max(max(self._rates(a, k, self.depth_optimism)) for a in self._drafting)
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
                 self.held_back += not drafts
-            affordable = owed <= self.target_cost[1].value or self.idle_generations >= PROBE_EVERY_GENERATIONS
+            affordable = owed <= self.costs.target(1) or self.idle_generations >= PROBE_EVERY_GENERATIONS
             probe = affordable and self.plain_streak >= PROBE_EVERY and (
                 self.plain_streak >= PROBE_EVERY_HOPELESS or self._could_pay(k, plain))
             if drafts or probe:  # else a plain step
@@ -354,25 +320,14 @@ class CostSchedule:
 
     def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        s = proposed + 1
-        if self.learn_costs:
-            if s in self.target_cost:
-                self.target_cost[s].add(target_s)
-            self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
         proposer = plan.proposer if proposed else None  # a round that proposed nothing was a plain step
-        key = f"{self._algo_of[id(proposer)]}:{proposed}" if proposer is not None else "plain"
+        algo = self._algo_of[id(proposer)] if proposer is not None else None
+        caught_up = proposer.drafter.catch_up_s if proposer is not None and proposer.drafter is not None else 0.0
+        self.costs.observe(proposed + 1, target_s, other_s, algo, proposed, draft_s, caught_up, self._behind)
+        key = f"{algo}:{proposed}" if algo is not None else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
-        if proposer is None:
+        if algo is None:
             return
-        algo = self._algo_of[id(proposer)]
-        # Per drafted token, without catching up (the drafter's prompt, or the tokens committed during
-        # plain steps): that cost is paid once whatever the draft length, so it must not make every
-        # later draft look dearer.
-        caught_up = proposer.drafter.catch_up_s if proposer.drafter is not None else 0.0
-        if self.learn_costs:
-            self.draft_cost[algo].add(max(0.0, draft_s - caught_up) / proposed)
-            if self._behind:
-                self.catch_up.add(caught_up / self._behind)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
@@ -382,10 +337,7 @@ class CostSchedule:
     def summary(self) -> dict:
         return {
             "rounds": dict(sorted(self.rounds.items())),
-            "target_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.target_cost.items())},
-            "draft_ms_per_token": {a: round(1e3 * c.value, 2) for a, c in self.draft_cost.items()},
-            "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
-            "catch_up_ms_per_position": round(1e3 * self.catch_up.value, 3),
+            **self.costs.summary(),
             "held_back": self.held_back,
             "idle_generations": self.idle_generations,  # before this one (see PROBE_EVERY_GENERATIONS)
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]

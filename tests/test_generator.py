@@ -171,7 +171,7 @@ def test_unseeded_auto_follows_live_timings(tiny_root: Path) -> None:
     model.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16))
     key = next(k for k in model._schedules if k[0])
     schedule = model._schedules[key][0]
-    assert schedule.learn_costs and schedule.idle_generations >= 0
+    assert schedule.costs.learn and schedule.idle_generations >= 0
     model.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16))
     assert model._schedules[key] == [schedule]  # borrowed and returned, not made anew
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from edge_sd.cost_model import CostModel
 from edge_sd.lookahead import (
     CARRY,
     PROBE_EVERY,
@@ -21,7 +22,7 @@ TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms p
 def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False, catch_up: float = 0.0) -> CostSchedule:
     state = SimpleNamespace(catch_up_s=0.0, behind=0)  # one drafter state serves every proposer
     proposers = {a: SimpleNamespace(name=a, drafter=state) for a in algos}
-    return CostSchedule(proposers, K, TARGET, {a: draft_s for a in algos}, greedy, catch_up=catch_up)
+    return CostSchedule(proposers, K, CostModel(TARGET, {a: draft_s for a in algos}, catch_up), greedy)
 
 
 def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later: float | None = None) -> dict:
@@ -38,7 +39,7 @@ def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later:
         a = 0
         while a < plan.m and rng.random() < (accept[plan.proposer.name] if a == 0 or later is None else later):
             a += 1
-        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.draft_cost[plan.proposer.name].value)
+        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.costs.draft(plan.proposer.name))
     return sched.rounds
 
 
@@ -164,7 +165,7 @@ def test_a_draft_starts_only_where_the_rest_gains_back_the_catching_up() -> None
     plan = sched.plan(199)
     state.catch_up_s = 0.030
     sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006)
-    assert abs(sched.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
+    assert abs(sched.costs.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
 
 
 def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> None:
@@ -192,7 +193,7 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
     assert steps[PROBE_EVERY_GENERATIONS + 1] == plain
     assert idle == [*range(PROBE_EVERY_GENERATIONS + 1), 0]  # what the statistics report
     # The probe measured the catching up: 1 ms a position after 100 positions for 100 ms.
-    assert abs(sched.catch_up.value - 0.001) < 1e-12
+    assert abs(sched.costs.catch_up.value - 0.001) < 1e-12
 
 
 def test_costs_follow_what_rounds_measure() -> None:
@@ -201,7 +202,7 @@ def test_costs_follow_what_rounds_measure() -> None:
         plan = sched.plan(K)
         sched.observe(plan, plan.m, 0, 0.060, plan.m * 0.050)  # everything slower than calibrated
     # Drafting measured at 50 ms a token instead of the calibrated 3: it noticed and steps aside.
-    assert max(c.value for c in sched.draft_cost.values()) > 0.015
+    assert max(c.value for c in sched.costs.draft_cost.values()) > 0.015
     assert sched.rounds.get("plain", 0) > 50
 
 
@@ -211,14 +212,14 @@ def test_the_rest_of_a_round_is_charged_by_its_size() -> None:
     one measured, scaled by the number of positions."""
     sched = schedule(0.0)
     sched.observe(sched.plan(0), 0, 0, TARGET[1], 0.0, other_s=0.004)
-    assert sched._other(1) == 0.004 and abs(sched._other(3) - 0.012) < 1e-12
+    assert sched.costs.other(1) == 0.004 and abs(sched.costs.other(3) - 0.012) < 1e-12
     plan = sched.plan(2)
     sched.observe(plan, 2, 2, TARGET[3], 0.0, other_s=0.030)
-    assert sched._other(3) == 0.030 and abs(sched._other(4) - 0.040) < 1e-12
+    assert sched.costs.other(3) == 0.030 and abs(sched.costs.other(4) - 0.040) < 1e-12
 
 
 def test_a_poor_starting_guess_is_outweighed_at_once() -> None:
-    from edge_sd.lookahead import Estimate
+    from edge_sd.cost_model import Estimate
 
     e = Estimate(0.001)  # the calibrated guess counts as one measurement
     for _ in range(3):
@@ -335,11 +336,11 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
     first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
     sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup"))][0]  # greedy, the longest draft 6
-    kept = sched.catch_up.value
+    kept = sched.costs.catch_up.value
     try:
-        sched.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that
+        sched.costs.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     finally:
-        sched.catch_up.value = kept
+        sched.costs.catch_up.value = kept
     assert r.token_ids == plain and r.stats.drafter_forwards == 0
     assert {key.split(":")[0] for key in r.stats.schedule["rounds"]} <= {"plain", "lookup"}  # no drafter round
