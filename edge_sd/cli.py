@@ -399,6 +399,10 @@ def inspect(
         rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
                                        for m in manifests.values())])
         rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
+        from edge_sd.engines import prepared
+
+        cached = [prepared.size(p) for p in roles.values()]
+        rows.append(["runtime cache MB", *("none" if b is None else f"{b / 1e6:.1f}" for b in cached)])
         _show(str(folder), ["field", *roles], rows)
         if pm is not None:
             s = pm.stats

@@ -41,10 +41,12 @@ def _session(folder: Path) -> OrtSession:
 
 
 def test_a_saved_graph_computes_what_the_engine_does(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert prepared.size(target) is None
     first = _session(target)
     assert first.graph_cache == "saved"
     saved = target / prepared.CACHE_DIR / prepared.ORT_DIR
     assert {p.name for p in saved.iterdir()} == {prepared.MODEL, prepared.DATA, prepared.KEY_FILE}
+    assert prepared.size(target) > (target / "model.onnx.data").stat().st_size  # what `inspect` shows
     later = _session(target)
     assert later.graph_cache == "loaded"
     monkeypatch.setenv(prepared.ENV, "0")

@@ -123,5 +123,13 @@ def commit(tmp: Path, folder: Path, key: dict) -> None:
         discard(tmp)
 
 
+def size(folder: Path) -> int | None:
+    """Bytes an engine's runtime cache takes on disk (None: it has none)."""
+    where = Path(folder) / CACHE_DIR
+    if not where.is_dir():
+        return None
+    return sum(f.stat().st_size for f in where.rglob("*") if f.is_file())
+
+
 def discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
