@@ -38,7 +38,7 @@ def release_freed_memory() -> None:
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to ask (Windows), or not glibc
         return
     trim(0)
 
@@ -141,11 +141,15 @@ class Tables:
         lengths = np.asarray([-1 if b is None else len(b) for b in self.token_bytes], dtype=np.int32)
         blob = np.frombuffer(b"".join(b for b in self.token_bytes if b), dtype=np.uint8)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, key=np.asarray(json.dumps({**key, "style": self.style})), lengths=lengths, blob=blob,
-                     special=np.asarray(sorted(self.special_ids), dtype=np.int64),
-                     byte_fallback=np.asarray(sorted(self.byte_fallback_ids), dtype=np.int64))
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, key=np.asarray(json.dumps({**key, "style": self.style})), lengths=lengths, blob=blob,
+                         special=np.asarray(sorted(self.special_ids), dtype=np.int64),
+                         byte_fallback=np.asarray(sorted(self.byte_fallback_ids), dtype=np.int64))
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: Path, key: dict) -> Tables | None:
