@@ -105,7 +105,7 @@ class DrafterState:
         self.lagging = False  # True while committed bytes exist that the drafter could not take in
         self.ends: list[int] = []  # byte end of each generated-region token known to match the text
         self._last_logits: np.ndarray | None = None
-        self._stop: StopRule | None = None  # this draft's (budget)
+        self._stop: StopRule | None = None  # the stop rule of the draft in progress (set by `budget`)
         self._position = 0
         # This draft's catching up: what a forward that fed more than STEADY_PENDING positions (the
         # prompt, or tokens committed during plain steps) cost beyond a one-position step. That
