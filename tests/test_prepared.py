@@ -75,6 +75,20 @@ def test_an_unwritable_folder_or_the_switch_loads_without_a_cache(target: Path,
     (target / prepared.CACHE_DIR).write_text("a file where the cache folder would go")
     assert _session(target).graph_cache == ""
     (target / prepared.CACHE_DIR).unlink()
+    # ONNX Runtime fails the load when it cannot write the graph (a full disk): loaded without saving.
+    save_to = prepared.save_to
+
+    def failing(opts, folder: Path) -> Path | None:
+        tmp = save_to(opts, folder)
+        opts.optimized_model_filepath = str(target / "no such folder" / prepared.MODEL)
+        return tmp
+
+    with monkeypatch.context() as m:
+        m.setattr(prepared, "save_to", failing)
+        session = _session(target)
+    assert session.graph_cache == "" and not list((target / prepared.CACHE_DIR).iterdir())
+    np.testing.assert_array_equal(_logits(session)[-1], _logits(_session(target))[-1])
+    shutil.rmtree(target / prepared.CACHE_DIR)
     monkeypatch.setenv(prepared.ENV, "off")
     assert _session(target).graph_cache == ""
     assert not (target / prepared.CACHE_DIR).exists()

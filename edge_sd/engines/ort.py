@@ -126,14 +126,19 @@ class OrtSession:
                 prepared.discard(saved.parent)
                 opts.graph_optimization_level = level
         tmp = prepared.save_to(opts, self.folder)
+        if tmp is None:
+            return self._session(original, opts, chosen), ""
         try:
             session = self._session(original, opts, chosen)
+        except ArtifactError:
+            # ONNX Runtime fails the whole load when it cannot write the graph (a full disk, say):
+            # loaded again without saving, it reports what is wrong with the engine itself, if anything.
+            prepared.discard(tmp)
+            opts.optimized_model_filepath = ""
+            return self._session(original, opts, chosen), ""
         except BaseException:
-            if tmp is not None:
-                prepared.discard(tmp)
+            prepared.discard(tmp)
             raise
-        if tmp is None:
-            return session, ""
         prepared.commit(tmp, self.folder, key)
         return session, "saved"
 
