@@ -139,15 +139,17 @@ class Tables:
 
     def one_byte_ids(self) -> list[int]:
         """The ids whose bytes are a single byte, ascending."""
-        lengths = self._lengths if self._lengths is not None else self._measure()
-        return np.flatnonzero(lengths == 1).tolist()
+        return np.flatnonzero(self.lengths() == 1).tolist()
 
-    def _measure(self) -> np.ndarray:
-        return np.asarray([-1 if b is None else len(b) for b in self.token_bytes], dtype=np.int32)
+    def lengths(self) -> np.ndarray:
+        """Each id's byte length, -1 for None (as saved; measured once)."""
+        if self._lengths is None:
+            self._lengths = np.asarray([-1 if b is None else len(b) for b in self.token_bytes], dtype=np.int32)
+        return self._lengths
 
     def save(self, path: Path, key: dict) -> None:
         """Write to `path` (aside, then renamed over it), with the key that says what it was made from."""
-        lengths = self._measure()
+        lengths = self.lengths()
         blob = np.frombuffer(b"".join(b for b in self.token_bytes if b), dtype=np.uint8)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:

@@ -15,6 +15,7 @@ EDGE_SD_RUNTIME_CACHE=0 to neither read nor write it (a read-only folder is skip
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+@functools.cache
 def cpu_identity() -> str:
     """The CPU's model and instruction-set flags: prepacked layouts follow the kernels MLAS picks for
     them, so a saved graph is good only on the same kind of CPU."""
@@ -62,20 +64,24 @@ def cpu_identity() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _model_files(m: EngineManifest) -> list:
+    """The manifest's entries for the graph and its external data."""
+    return [entry for entry in m.files if entry.path.startswith(m.model_file)]
+
+
 def cache_key(m: EngineManifest, folder: Path) -> dict:
     """What the saved graph was made from; any difference makes it stale."""
     files = []
-    for entry in m.files:
-        if entry.path.startswith(m.model_file):  # the graph and its external data
-            stat = (Path(folder) / entry.path).stat()
-            files.append([entry.path, stat.st_size, stat.st_mtime_ns, entry.sha256])
+    for entry in _model_files(m):
+        stat = (Path(folder) / entry.path).stat()
+        files.append([entry.path, stat.st_size, stat.st_mtime_ns, entry.sha256])
     return {"format": FORMAT, "onnxruntime": ort.__version__, "cpu": cpu_identity(), "files": files}
 
 
 def wanted(m: EngineManifest, providers: list[str]) -> bool:
     """Whether this engine's loads go through the cache: the CPU provider alone (a graph saved for an
     accelerator holds nodes compiled for it), weights large enough to pay, and not switched off."""
-    weights = sum(f.bytes for f in m.files if f.path.startswith(m.model_file))
+    weights = sum(f.bytes for f in _model_files(m))
     return enabled() and providers == ["CPUExecutionProvider"] and weights >= MIN_BYTES
 
 
