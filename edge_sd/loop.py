@@ -18,7 +18,7 @@ from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
 from edge_sd.errors import EdgeSDError
 from edge_sd.lookahead import Schedule
-from edge_sd.sampling import SamplingConfig, warp
+from edge_sd.sampling import Rows, SamplingConfig
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
@@ -103,7 +103,7 @@ class Decoder:
         else:
             verify = plan.proposer.verifier if (plan.proposer and cands) else verify_standard
             q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
-            a, nxt = verify(cands, q, warp(logits, self.cfg), self.rng)
+            a, nxt = verify(cands, q, Rows(logits, self.cfg), self.rng)
         target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
         self.stats.count_round(len(cands), a, target_s)
         new, text = stream.push(cands[:a] + [nxt])

@@ -48,6 +48,31 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return p
 
 
+class Rows:
+    """The warped distributions of logits [n, V], each row warped when a verifier first reads it
+    (`p[i]`, `p[i, c]`). A round that rejects its first proposal reads one or two rows of n, and
+    warping a 262k-entry row costs more than the rest of the round's host work. A row is exactly
+    what `warp` gives it among the others."""
+
+    def __init__(self, logits: np.ndarray, cfg: SamplingConfig):
+        self.logits, self.cfg = logits, cfg
+        self._rows: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> np.ndarray:
+        i, c = key if isinstance(key, tuple) else (key, None)
+        i = int(i) % len(self.logits)
+        if i not in self._rows:
+            self._rows[i] = warp(self.logits[i], self.cfg)
+        return self._rows[i] if c is None else self._rows[i][c]
+
+
+# What verifiers read p from: an array [m+1, V] of warped rows, or Rows warping them on demand.
+Probs = np.ndarray | Rows
+
+
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
     # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
     order = np.argsort(-p, axis=-1, kind="stable")

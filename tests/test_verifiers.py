@@ -161,6 +161,29 @@ def test_warp_top_k_top_p_and_residual() -> None:
     np.testing.assert_allclose(residual(np.array([0.5, 0.5]), np.array([0.8, 0.2])), [0.0, 1.0])
 
 
+def test_rows_warp_only_what_a_verifier_reads() -> None:
+    """The loop hands verifiers Rows: each row, warped when first read, equals warp's row bit for bit
+    (so seeded outputs do not depend on it), and a round rejected at its first proposal warps only
+    the rows it read."""
+    from edge_sd.algorithms.lookup import verify_point
+    from edge_sd.sampling import Rows
+
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(5, 50_000)) * 4).astype(np.float32)
+    for cfg in (SamplingConfig(1.0), SamplingConfig(0.7, top_k=40), SamplingConfig(1.3, top_p=0.9)):
+        full, rows = warp(logits, cfg), Rows(logits, cfg)
+        for i in (3, 0, 4, 3):
+            assert np.array_equal(rows[i], full[i])
+            assert rows[i, 17] == full[i, 17]
+    cfg = SamplingConfig(1.0)
+    worst = [int(np.argmin(logits[i])) for i in range(4)]  # proposals of probability ~0: rejected
+    for seed in range(5):
+        rows = Rows(logits, cfg)
+        got = verify_point(worst, None, rows, np.random.default_rng(seed))
+        assert got == verify_point(worst, None, warp(logits, cfg), np.random.default_rng(seed))
+        assert got[0] == 0 and sorted(rows._rows) == [0]
+
+
 def test_sample_over_a_long_vector_follows_p() -> None:
     """sample() walks a long vector's CDF in blocks (sampling.BLOCK): its draws follow p, mass in the
     last partial block and zeros (whole blocks of them too) included, and never land on a zero."""

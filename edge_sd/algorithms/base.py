@@ -10,6 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_sd.engines.base import Engine
+from edge_sd.sampling import Probs
 from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
 # How fast the estimate of a one-position drafter forward follows new measurements.
@@ -22,7 +23,7 @@ STEADY_PENDING = 2
 # Asked after each drafted token (its drafter logits, its position in the draft from 1) whether to
 # draft another: DISCO's classifier, the confidence cut, a recorder of calibration traces.
 StopRule = Callable[[np.ndarray, int], bool]
-Verifier = Callable[[list[int], np.ndarray | None, np.ndarray, np.random.Generator], tuple[int, int]]
+Verifier = Callable[[list[int], np.ndarray | None, Probs, np.random.Generator], tuple[int, int]]
 
 
 @dataclass

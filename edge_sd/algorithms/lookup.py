@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, StopRule
-from edge_sd.sampling import sample
+from edge_sd.sampling import Probs, sample
 
 # Longest and shortest suffix matched: longer matches are tried first (they predict better); single
 # tokens match almost anywhere and predict little.
@@ -24,7 +24,7 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 
 
-def verify_point(candidates: list[int], q: np.ndarray | None, p: np.ndarray,
+def verify_point(candidates: list[int], q: np.ndarray | None, p: Probs,
                  rng: np.random.Generator) -> tuple[int, int]:
     """Speculative sampling of deterministic proposals: accept c_i with probability p_i(c_i); at the
     first rejection emit a sample of p_i without c_i (renormalised); if all pass, a sample of p_{m+1}.

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule
-from edge_sd.sampling import sample
+from edge_sd.sampling import Probs, sample
 from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
 
-def verify_exact(candidates: list[int], q: np.ndarray | None, p: np.ndarray,
+def verify_exact(candidates: list[int], q: np.ndarray | None, p: Probs,
                  rng: np.random.Generator) -> tuple[int, int]:
     """Draw the target's own token z_j ~ p_j at each position; accept while z_j == c_j, emit z_j at
     the first mismatch (or z_{m+1}). p: [m+1, V]; q is not used (the target's own draws decide).

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule, scatter_to_targets
-from edge_sd.sampling import SamplingConfig, residual, sample, warp
+from edge_sd.sampling import Probs, SamplingConfig, residual, sample, warp
 
 
 def verify_standard(
-    candidates: list[int], q: np.ndarray | None, p: np.ndarray, rng: np.random.Generator
+    candidates: list[int], q: np.ndarray | None, p: Probs, rng: np.random.Generator
 ) -> tuple[int, int]:
     """Accept c_i with probability min(1, p_i(c_i) / q_i(c_i)); at the first rejection emit a sample of
     norm(max(0, p_i - q_i)); if all pass, a sample of p_{m+1}.
