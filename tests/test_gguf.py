@@ -93,6 +93,11 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
     assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
                 and not n.input[1].endswith("_offsets")]
     assert ops.count("MatMulNBits") == q["quantized_matmuls"] and "GatherBlockQuantized" in ops
+    # 8-bit storage holds q - z shifted onto the kernel's default zero point: no zero points to read
+    # (Q5_0's values are centred on 16, Q6_K's on 32).
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    wide = [n for n in nbits if onnx.helper.get_node_attr_value(n, "bits") == 8]
+    assert wide and all(len(n.input) == 3 for n in wide)
 
     name = "llama" if role == "target" else "qwen"
     hf = AutoModelForCausalLM.from_pretrained(str(gguf_root), gguf_file=f"{name}.gguf", dtype=torch.float32)
@@ -130,14 +135,19 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
 def test_an_8bit_head_computes_one_row_of_a_two_position_step(gguf_root: Path) -> None:
     """The target's layers step two positions (one-row attention rounds otherwise), but its Q8_0 LM
     head gives a row alone exactly what it gives it beside another, so a plain step runs the head over
-    one row; the drafter's Q4_1 head does not (4-bit one-row kernels round otherwise), as measured."""
+    one row; the drafter's Q4_1 head only where the export measured it to (4-bit one-row kernels round
+    otherwise on some CPUs)."""
     from edge_sd.engines.ort import OrtEngine
     from edge_sd.manifest import load_engine_manifest
 
     target, drafter = (load_engine_manifest(gguf_root / "pair" / r) for r in ("target", "drafter"))
     assert (target.min_step_positions, target.min_head_rows) == (2, 1)
     assert target.validation["max_rel_diff_head_one_row"] == 0.0
-    assert drafter.min_head_rows is None and drafter.validation["max_rel_diff_head_one_row"] > 0.0
+    # The drafter's Q4_1 head: whether a 4-bit row alone rounds otherwise than beside another depends
+    # on the CPU's kernels (it did on an AVX2-only AMD EPYC, not on an AVX-512 VNNI Xeon); the manifest
+    # follows the measurement either way.
+    rounds = drafter.validation["max_rel_diff_head_one_row"] > 0.0
+    assert drafter.min_head_rows == (None if rounds else 1)
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
     ids = np.arange(3, 20)
     engine.forward(ids[:-1])
