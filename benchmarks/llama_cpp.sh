@@ -12,7 +12,15 @@ VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${EDGE_SD_CACHE:-$HOME/.cache/edge-sd}
 ROOT="$CACHE/llama.cpp/$VERSION"
 TOOLS="llama-bench llama-completion llama-speculative-simple llama-perplexity"
-if [ -x "$ROOT/build/bin/llama-speculative-simple" ] && [ -x "$ROOT/build/bin/llama-completion" ]; then
+# Native code, less AMX: virtual machines can list AMX among the CPU's features while its tile
+# instructions trap (seen on a Sapphire Rapids VM: llama.cpp died with SIGILL at its first matmul).
+FLAGS=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+fi
+if [ -x "$ROOT/build/bin/llama-speculative-simple" ] && [ -x "$ROOT/build/bin/llama-completion" ] \
+    && [ "$(cat "$ROOT/build/.flags" 2>/dev/null)" = "${FLAGS[*]}" ]; then
   echo "$ROOT/build/bin"
   exit 0
 fi
@@ -27,8 +35,9 @@ if [ ! -f "$ROOT/src/CMakeLists.txt" ]; then
   rm -rf "$tmp"
 fi
 echo "==> building $TOOLS (llama.cpp from llama-cpp-python $VERSION; about 10 minutes on 2 cores)" >&2
-cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "${FLAGS[@]}" \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
 # shellcheck disable=SC2086
 cmake --build "$ROOT/build" --config Release -j "$(nproc)" --target $TOOLS >&2
+echo "${FLAGS[*]}" > "$ROOT/build/.flags"
 echo "$ROOT/build/bin"
