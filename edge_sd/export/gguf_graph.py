@@ -139,6 +139,12 @@ def _pack(b: Blocks) -> tuple[np.ndarray, np.ndarray | None]:
     n, k = b.shape
     nb = k // b.block
     if b.bits == 8:
+        # q - z (Q5_0's and Q6_K's values are centred on 16 and 32, Q8_0's on 0) fits a signed byte:
+        # stored shifted onto the kernel's default zero point 128, the same integers times the same
+        # scales with no zero-point tensor to read.
+        centred = b.q.astype(np.int16) - np.repeat(b.zero, b.block, axis=1).astype(np.int16)
+        if centred.min(initial=0) >= -128 and centred.max(initial=0) <= 127:
+            return np.ascontiguousarray((centred + 128).astype(np.uint8).reshape(n, nb, b.block)), None
         data = b.q.reshape(n, nb, b.block)
         zero = b.zero
     else:
