@@ -1,0 +1,67 @@
+"""Forwards that cross a multiple of SPLIT_AT positions compute what plain decoding's steps compute.
+
+Plain decoding steps two positions at a time (`min_step_positions` 2); a verification forward covers
+several. On some CPUs a forward that spans position 64 computes the positions before it otherwise than
+the steps do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as two, split as the steps
+split it. Checked here as the loop would meet it: after plain steps to each length T, a forward of the
+last S positions (fed again) gives the last position the logits the step gave it, and the cache then
+holds what the steps wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edge_sd.engines import ort as ort_engine
+from edge_sd.engines.ort import OrtEngine
+
+
+def scan(engine: OrtEngine, ids: list[int], lengths: range, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(T, S) pairs whose S-position forward ending at T disagrees with the plain step ending at T."""
+    bad = []
+    engine.reset()
+    engine.forward(np.asarray(ids[: lengths.start - 1]))
+    for t in lengths:
+        step = engine.forward(np.asarray([ids[t - 1]]))[-1].copy()
+        for s in sizes:
+            engine.truncate(t - s)
+            if not np.array_equal(engine.forward(np.asarray(ids[t - s : t]))[-1], step):
+                bad.append((t, s))
+            engine.truncate(t - s)  # the steps again, so that the cache is plain decoding's
+            for j in range(t - s, t):
+                engine.forward(np.asarray([ids[j]]))
+    return bad
+
+
+def test_a_forward_across_a_split_runs_as_plain_steps_meet_it(gguf_root: Path) -> None:
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    assert engine.min_step == 2 and ort_engine.SPLIT_AT == 64
+    ids = list(range(3, 3 + 80))
+    engine.forward(np.asarray(ids[:62]))
+    before = engine.forward_count
+    logits = engine.forward(np.asarray(ids[62:67]))  # positions 62..66, across 64
+    assert engine.forward_count - before == 2  # its part up to 64, its part from 63
+    assert logits.shape[0] == 5 and engine.n_cached == 67
+    assert engine.cached_ids.tolist() == ids[:67]
+    # The rows as the two parts give them: 62..63 from a forward ending at 64, 64..66 from one
+    # starting at 63 (where plain decoding's steps last write position 63).
+    engine.truncate(62)
+    first = engine.forward(np.asarray(ids[62:64]))
+    engine.truncate(63)
+    second = engine.forward(np.asarray(ids[63:67]), last=3)
+    np.testing.assert_array_equal(logits, np.concatenate([first, second]))
+    # A forward that starts at 63, or ends at 64, is not split.
+    engine.truncate(63)
+    before = engine.forward_count
+    engine.forward(np.asarray(ids[63:67]))
+    engine.truncate(60)
+    engine.forward(np.asarray(ids[60:64]))
+    assert engine.forward_count - before == 2
+
+
+def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path) -> None:
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, engine.manifest.vocab_size, size=140)]
+    assert scan(engine, ids, range(14, 140), (3, 5)) == []
