@@ -65,3 +65,22 @@ def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path) ->
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
     ids = [int(i) for i in np.random.default_rng(0).integers(3, engine.manifest.vocab_size, size=140)]
     assert scan(engine, ids, range(14, 140), (3, 5)) == []
+
+
+def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Path, monkeypatch) -> None:
+    """consistency.across_split, which export validation and the load-time check add to the
+    steps-against-forward figure: 0 on the tiny target, and it sees forwards that compute otherwise."""
+    from edge_sd.engines import consistency
+
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=1)
+    ids = np.random.default_rng(1).integers(3, engine.manifest.vocab_size, size=consistency.SPLIT_IDS)
+    assert consistency.across_split(engine, ids) == 0.0
+    assert engine.n_cached == 0
+    forward = OrtEngine.forward
+
+    def skewed(self, fed, last=None):  # a kernel that rounds otherwise for 3 positions and more
+        out = forward(self, fed, last)
+        return out + 1e-3 if len(np.asarray(fed).reshape(-1)) >= 3 else out
+
+    monkeypatch.setattr(OrtEngine, "forward", skewed)
+    assert consistency.across_split(engine, ids) > 0.0

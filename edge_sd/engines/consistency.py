@@ -21,6 +21,7 @@ BROKEN_RTOL = 5e-2
 PROMPT_LEN = 12
 STEPS = 4
 N_PROMPTS = 3
+SPLIT_IDS = 80  # ids for across_split: past the first split (64) and the forwards that end beyond it
 
 
 def rel(a: np.ndarray, b: np.ndarray, scale: float) -> float:
@@ -56,6 +57,31 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
     worst["small"] = max(worst["small"], rel(pairs, multi, scale))
 
 
+def across_split(engine, ids: np.ndarray) -> float:
+    """Forwards of 3 and 5 positions ending on either side of the engine's first split (SPLIT_AT in
+    engines/ort.py) against the two-position steps ending there, as the loop meets them: the most they
+    differ, relative to the logits' scale. ids: at least SPLIT_AT + 8 of them. The engine steps at
+    min_step_positions 2 and is left empty."""
+    from edge_sd.engines.ort import SPLIT_AT
+
+    engine.min_step = engine.head_rows = 2
+    engine.reset()
+    start = SPLIT_AT - 4
+    engine.forward(ids[: start - 1])
+    worst, scale = 0.0, 1.0
+    for t in range(start, SPLIT_AT + 8):
+        step = engine.forward(ids[t - 1 : t])[-1].copy()
+        scale = max(scale, float(np.abs(step).max()))
+        for s in (3, 5):
+            engine.truncate(t - s)
+            worst = max(worst, rel(engine.forward(ids[t - s : t])[-1], step, scale))
+            engine.truncate(t - s)  # the steps again: the cache as plain decoding writes it
+            for j in range(t - s, t):
+                engine.forward(ids[j : j + 1])
+    engine.reset()
+    return worst
+
+
 def min_step_for(worst: dict[str, float], kv_layout: str) -> int:
     """2 where single steps are off and forwards of two or more positions agree exactly: the price of
     batch consistency (a re-fed position per step), paid only where it buys exactness; re-feeding
@@ -83,8 +109,10 @@ def check(engine) -> dict:
             engine.min_step = 1
             engine.reset()
             measure(engine, ids, engine.forward(ids), worst)
+        min_step = min_step_for(worst, engine.manifest.kv_layout)
+        if min_step == 2:
+            worst["small"] = max(worst["small"], across_split(engine, rng.integers(0, vocab, size=SPLIT_IDS)))
     finally:
         engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time = saved
         engine.reset()
-    min_step = min_step_for(worst, engine.manifest.kv_layout)
     return {**worst, "min_step_positions": min_step, "min_head_rows": min_head_rows_for(worst, min_step)}
