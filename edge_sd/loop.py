@@ -18,7 +18,7 @@ from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
 from edge_sd.errors import EdgeSDError
 from edge_sd.lookahead import Schedule
-from edge_sd.sampling import Rows, SamplingConfig
+from edge_sd.sampling import Rows, SamplingConfig, draw
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
@@ -100,8 +100,10 @@ class Decoder:
         target_s = time.perf_counter() - start  # logits: [m+1, V]
         if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
             a, nxt = verify_greedy(cands, logits)
+        elif not cands:  # a plain sampled step
+            a, nxt = 0, draw(logits[0], self.cfg, self.rng)
         else:
-            verify = plan.proposer.verifier if (plan.proposer and cands) else verify_standard
+            verify = plan.proposer.verifier if plan.proposer else verify_standard
             q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
             a, nxt = verify(cands, q, Rows(logits, self.cfg), self.rng)
         target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round

@@ -73,6 +73,23 @@ class Rows:
 Probs = np.ndarray | Rows
 
 
+def draw(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    """One draw from warp(logits, cfg) for one position [V] (sampled, not greedy), without
+    normalising: `sample` scales its uniform by the weights' sum, so a plain sampled step skips
+    warp's float64 copy and division of a 262k-entry row. Top-p needs the normalised, sorted
+    probabilities and goes through warp."""
+    if cfg.top_p < 1.0:
+        return sample(warp(logits, cfg), rng)
+    x = np.array(logits, dtype=np.float32)
+    if cfg.temperature != 1.0:
+        x /= np.float32(cfg.temperature)
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        x[x < np.partition(x, -cfg.top_k)[-cfg.top_k]] = -np.inf
+    x -= x.max()
+    np.exp(x, out=x)
+    return sample(x, rng)
+
+
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
     # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
     order = np.argsort(-p, axis=-1, kind="stable")
@@ -91,16 +108,17 @@ BLOCK = 1024
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a probability vector [V] (inverse CDF, so one uniform per draw). Over a long
+    """One draw from a probability vector [V], or from weights in proportion to them (the uniform is
+    scaled by their sum; inverse CDF, so one uniform per draw). Over a long
     vector in two levels: the block sums' CDF finds the block the draw falls in, then that block's
     own CDF the entry; never an entry of probability 0."""
     n = len(p)
     if n <= 4 * BLOCK:
-        i = _inverse_cdf(p, rng.random() * p.sum())
+        i = _inverse_cdf(p, rng.random() * p.sum(dtype=np.float64))
     else:
         whole = n - n % BLOCK
-        ends = np.cumsum(p[:whole].reshape(-1, BLOCK).sum(axis=1))  # [n // BLOCK]
-        u = rng.random() * (ends[-1] + p[whole:].sum())
+        ends = np.cumsum(p[:whole].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64))  # [n // BLOCK]
+        u = rng.random() * (ends[-1] + p[whole:].sum(dtype=np.float64))
         b = int(np.searchsorted(ends, u, side="right"))  # ends[b - 1] <= u < ends[b]: block b has mass
         block = _inverse_cdf(p[b * BLOCK : (b + 1) * BLOCK], u - (ends[b - 1] if b else 0.0))
         i = b * BLOCK + block if block >= 0 else -1
@@ -111,7 +129,7 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
 
 def _inverse_cdf(p: np.ndarray, u: float) -> int:
     """The entry whose CDF interval holds u, or -1 when u is not below p's sum."""
-    i = int(np.searchsorted(np.cumsum(p), u, side="right"))
+    i = int(np.searchsorted(np.cumsum(p, dtype=np.float64), u, side="right"))
     return i if i < len(p) else -1
 
 

@@ -236,3 +236,25 @@ def test_point_rule_second_position_and_bonus() -> None:
         if a >= 1:
             counts[4 if a == 2 else nxt] += 1
     assert tv(counts, p[1]) < tv_bound(V)
+
+
+def test_a_plain_sampled_step_draws_from_the_warped_distribution() -> None:
+    """sampling.draw, which plain sampled steps use instead of normalising a row first: its draws
+    follow warp's probabilities (temperature and top-k), never land outside the top k, and top-p goes
+    through warp itself (the same draw as sample(warp(...)) from the same generator)."""
+    from edge_sd.sampling import BLOCK, draw
+
+    rng = np.random.default_rng(8)
+    logits = (rng.normal(size=5 * BLOCK + 11) * 2).astype(np.float32)
+    hot = rng.choice(len(logits), size=6, replace=False)
+    logits[hot] += 12.0  # six likely ids spread over the blocks, the rest a thin tail
+    cfg = SamplingConfig(0.8, top_k=6)
+    p = warp(logits, cfg)
+    draws = np.array([draw(logits, cfg, rng) for _ in range(N)])
+    assert np.isin(draws, np.flatnonzero(p)).all() and len(np.flatnonzero(p)) == 6
+    counts = np.array([(draws == h).sum() for h in hot], dtype=np.float64)
+    assert tv(counts, p[hot]) < tv_bound(len(hot)) < tv(counts, np.roll(p[hot], 1))
+    nucleus = SamplingConfig(1.0, top_p=0.9)
+    for seed in range(5):
+        assert draw(logits, nucleus, np.random.default_rng(seed)) == sample(warp(logits, nucleus),
+                                                                             np.random.default_rng(seed))
