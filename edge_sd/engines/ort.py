@@ -155,10 +155,10 @@ class OrtSession:
 
 # A forward that crosses a multiple of this many positions is run as two, split there as plain
 # decoding's two-position steps split it. With ONNX Runtime 1.32 on an AVX-512 VNNI Xeon, forwards that
-# held two or more positions below 64 and one at or above it computed them otherwise than plain steps
-# (logits up to 1.4 apart: a greedy output changed); split so, every forward of 3 and 5 positions
-# agreed with plain steps over the first 300 positions. It costs one extra forward at most every
-# SPLIT_AT positions.
+# held two or more positions below 64 and one at or above it computed them otherwise than plain steps,
+# enough to change a greedy output; split so, they agree (docs/artifact-format.md; export validation
+# checks it: engines/consistency.py, across_split). It costs one extra forward at most every SPLIT_AT
+# positions.
 SPLIT_AT = 64
 
 
