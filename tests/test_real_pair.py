@@ -142,9 +142,9 @@ def test_greedy_equals_plain_and_acceptance(pipe, references, algo: str, k: int)
 def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) -> None:
     """On an AVX-512 VNNI Xeon, the default target's forwards spanning position 64 computed it otherwise
     than plain decoding's steps, and a greedy output changed; the engine splits them (test_split.py)."""
-    from test_split import scan
+    from edge_sd.engines.consistency import across_split
 
     engine = pipe.target.session.engine()
     ids = pipe.target.prompt_ids("There are three reasons why cities should plant more trees. The first", False)
     ids = ids + [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=80 - len(ids))]
-    assert scan(engine, ids, range(56, 76), (3, 5)) == []
+    assert across_split(engine, ids, range(56, 76)) == 0.0

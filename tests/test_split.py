@@ -5,7 +5,7 @@ several. On some CPUs a forward that spans position 64 computes the positions be
 the steps do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as two, split as the steps
 split it. Checked here as the loop would meet it: after plain steps to each length T, a forward of the
 last S positions (fed again) gives the last position the logits the step gave it, and the cache then
-holds what the steps wrote.
+holds what the steps wrote (engines/consistency.py, across_split, which export validation runs too).
 """
 
 from __future__ import annotations
@@ -16,23 +16,6 @@ import numpy as np
 
 from edge_sd.engines import ort as ort_engine
 from edge_sd.engines.ort import OrtEngine
-
-
-def scan(engine: OrtEngine, ids: list[int], lengths: range, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(T, S) pairs whose S-position forward ending at T disagrees with the plain step ending at T."""
-    bad = []
-    engine.reset()
-    engine.forward(np.asarray(ids[: lengths.start - 1]))
-    for t in lengths:
-        step = engine.forward(np.asarray([ids[t - 1]]))[-1].copy()
-        for s in sizes:
-            engine.truncate(t - s)
-            if not np.array_equal(engine.forward(np.asarray(ids[t - s : t]))[-1], step):
-                bad.append((t, s))
-            engine.truncate(t - s)  # the steps again, so that the cache is plain decoding's
-            for j in range(t - s, t):
-                engine.forward(np.asarray([ids[j]]))
-    return bad
 
 
 def test_a_forward_across_a_split_runs_as_plain_steps_meet_it(gguf_root: Path) -> None:
@@ -62,9 +45,11 @@ def test_a_forward_across_a_split_runs_as_plain_steps_meet_it(gguf_root: Path) -
 
 
 def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path) -> None:
+    from edge_sd.engines.consistency import across_split
+
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
     ids = [int(i) for i in np.random.default_rng(0).integers(3, engine.manifest.vocab_size, size=140)]
-    assert scan(engine, ids, range(14, 140), (3, 5)) == []
+    assert across_split(engine, ids, range(14, 140)) == 0.0
 
 
 def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Path, monkeypatch) -> None:

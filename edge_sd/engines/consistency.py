@@ -57,27 +57,29 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
     worst["small"] = max(worst["small"], rel(pairs, multi, scale))
 
 
-def across_split(engine, ids: np.ndarray) -> float:
-    """Forwards of 3 and 5 positions ending on either side of the engine's first split (SPLIT_AT in
-    engines/ort.py) against the two-position steps ending there, as the loop meets them: the most they
-    differ, relative to the logits' scale. ids: at least SPLIT_AT + 8 of them. The engine steps at
-    min_step_positions 2 and is left empty."""
+def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tuple[int, ...] = (3, 5)) -> float:
+    """Forwards of `sizes` positions ending at each T of `ends` (default: on either side of the
+    engine's first split, SPLIT_AT in engines/ort.py) against the two-position step ending at T, as
+    the loop meets them: the most they differ, relative to the logits' scale. ids: at least
+    max(ends) of them. An engine not stepping two positions yet is set to (with its head over both);
+    it is left empty."""
     from edge_sd.engines.ort import SPLIT_AT
 
-    engine.min_step = engine.head_rows = 2
+    if engine.min_step < 2:
+        engine.min_step = engine.head_rows = 2
+    ends = ends or range(SPLIT_AT - 4, SPLIT_AT + 8)
     engine.reset()
-    start = SPLIT_AT - 4
-    engine.forward(ids[: start - 1])
+    engine.forward(np.asarray(ids[: ends.start - 1]))
     worst, scale = 0.0, 1.0
-    for t in range(start, SPLIT_AT + 8):
-        step = engine.forward(ids[t - 1 : t])[-1].copy()
+    for t in ends:
+        step = engine.forward(np.asarray(ids[t - 1 : t]))[-1].copy()
         scale = max(scale, float(np.abs(step).max()))
-        for s in (3, 5):
+        for s in sizes:
             engine.truncate(t - s)
-            worst = max(worst, rel(engine.forward(ids[t - s : t])[-1], step, scale))
+            worst = max(worst, rel(engine.forward(np.asarray(ids[t - s : t]))[-1], step, scale))
             engine.truncate(t - s)  # the steps again: the cache as plain decoding writes it
             for j in range(t - s, t):
-                engine.forward(ids[j : j + 1])
+                engine.forward(np.asarray(ids[j : j + 1]))
     engine.reset()
     return worst
 
