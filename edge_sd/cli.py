@@ -213,8 +213,10 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable): the text ends before it."),
     include_stop: bool = typer.Option(False, "--include-stop", help="Keep the stop string in the text."),
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template."),
-    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|plain|slem|tli|slrs|rdk|lookup|standard "
-                                  "(plain: no speculation; lookup: drafts from the text itself, no drafter)."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a",
+                                  help="auto|plain|slem|tli|slrs|rdk|lookup|standard|lookup+X (plain: no "
+                                  "speculation; lookup: drafts from the text itself, no drafter; lookup+slem: the "
+                                  "lookup's candidates, then SLEM's)."),
     draft_max: Optional[int] = typer.Option(
         None, "--draft-max", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
         "cost schedule (auto) the longest draft \\[6]."),
@@ -281,7 +283,8 @@ def chat(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same conversation."),
-    algorithm: str = typer.Option("auto", "--algorithm", "-a", help="auto|plain|slem|tli|slrs|rdk|lookup|standard."),
+    algorithm: str = typer.Option("auto", "--algorithm", "-a",
+                                  help="auto|plain|slem|tli|slrs|rdk|lookup|standard|lookup+X."),
     draft_max: Optional[int] = typer.Option(None, "--draft-max", help="The longest draft \\[6 with auto]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),

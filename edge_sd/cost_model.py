@@ -62,6 +62,11 @@ class CostModel:
         """Seconds of a round drafting m tokens at `draft_per_token` each (m = 0: a plain step)."""
         return self.target(m + 1) + m * draft_per_token + self.other(m + 1)
 
+    def extended(self, m: int, drafted: int, draft_per_token: float, behind: int) -> float:
+        """Seconds of a round proposing m candidates of which the drafter drafts the last `drafted`
+        (a chain: the lookup's first), its first forward feeding `behind` positions beyond one."""
+        return self.target(m + 1) + drafted * draft_per_token + behind * self.catch_up.value + self.other(m + 1)
+
     def plain(self) -> float:
         return self.round(0, 0.0)
 

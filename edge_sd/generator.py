@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from edge_sd.algorithms import (
+    ChainProposer,
     DrafterState,
     LookupProposer,
     MappedProposer,
@@ -41,6 +42,7 @@ from edge_sd.lookahead import (
     HeuristicSchedule,
     Schedule,
     StaticSchedule,
+    estimated,
 )
 from edge_sd.loop import Decoder, Emitted
 from edge_sd.model import Costs, Model, render_chat
@@ -279,7 +281,8 @@ class Generator:
             return None
         # Healing the prompt's end suits proposers that hand over text; the others map the drafter's
         # tokens one by one, and the healed first token spans the prompt's end.
-        heal = "slem" in algos and not {"tli", "slrs", "rdk", "standard"} & set(algos)
+        drafting = {a.removeprefix("lookup+") for a in algos}
+        heal = "slem" in drafting and not {"tli", "slrs", "rdk", "standard"} & drafting
         state = DrafterState(engine, drafter.vocab, d_ids, drafter.kept, heal=heal)
         cached = engine.cached_ids
         common = 0
@@ -291,13 +294,24 @@ class Generator:
 
     def _proposers(self, algos: tuple[str, ...], state: DrafterState | None) -> dict[str, Proposer]:
         """One proposer per algorithm, all drafting from one drafter state (synced after each round);
-        prompt lookup reads the committed ids (which the decoder extends)."""
+        prompt lookup reads the committed ids (which the decoder extends). A chain `lookup+X` shares
+        the menu's lookup and X where the menu has them."""
         model, cfg, rng = self.model, self.sampling, self.rng
         drafter, maps, target = model.drafter, model.maps, model.target.vocab
         # Proposals cover the ids the target can emit: its logits, cut to its tokenizer (loop.Decoder).
         width = min(model.target.manifest.logits_width, model.target.manifest.vocab_size)
+        made: dict[str, Proposer] = {}
 
         def make(algo: str) -> Proposer:
+            if algo not in made:
+                made[algo] = build(algo)
+            return made[algo]
+
+        def build(algo: str) -> Proposer:
+            if algo.startswith("lookup+"):
+                lookup = make("lookup")
+                assert isinstance(lookup, LookupProposer)
+                return ChainProposer(lookup, make(algo.removeprefix("lookup+")), target, width)
             if algo == "lookup":
                 return LookupProposer(self.ids)
             assert drafter is not None and maps is not None and state is not None
@@ -326,7 +340,7 @@ class Generator:
                              "first")
         if name == "confidence" and state is None:
             raise UsageError("the confidence schedule cuts a drafter's drafts: it needs a pair folder")
-        names = {id(p): a for a, p in proposers.items()}
+        names = {id(p): a.removeprefix("lookup+") for a, p in proposers.items()}  # DISCO's features: X of lookup+X
         if name == "disco" and self.algorithm != "auto":
             assert disco is not None and state is not None
             k = cfg.lookahead if cfg.lookahead is not None else disco.k
@@ -384,5 +398,5 @@ class Generator:
 def _new_cost_schedule(proposers: dict[str, Proposer], k: int, costs: Costs, greedy: bool,
                        learn_costs: bool) -> CostSchedule:
     """A cost schedule starting from the engines' costs, every algorithm at the drafter's step cost."""
-    return CostSchedule(proposers, k, CostModel(costs.target, {a: costs.step for a in proposers}, costs.position,
-                                                learn=learn_costs), greedy=greedy)
+    drafts = {a: costs.step for a in estimated(proposers)}
+    return CostSchedule(proposers, k, CostModel(costs.target, drafts, costs.position, learn=learn_costs), greedy=greedy)

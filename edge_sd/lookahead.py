@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from edge_sd.algorithms.base import Proposer, StopRule
+from edge_sd.algorithms.chain import ChainProposer
 from edge_sd.cost_model import CostModel
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
 
@@ -60,12 +61,24 @@ CARRY = 4.0
 
 @dataclass
 class Plan:
-    """A round's proposer and draft length (0 or no proposer: a plain step), and the rule that may
-    end a drafter's draft sooner (None: it runs to m)."""
+    """A round's proposer and draft length (0 or no proposer: a plain step), the rule that may end a
+    drafter's draft sooner (None: it runs to m), and for a chain (lookup+X) how many of its m
+    candidates the lookup proposes."""
 
     proposer: Proposer | None
     m: int
     stop: StopRule | None = None
+    lookup: int = 0
+
+
+def estimated(proposers: dict[str, Proposer]) -> list[str]:
+    """The algorithms whose acceptance and drafting cost a cost schedule follows: every proposer's,
+    a chain's two parts instead of its own (what it proposes is theirs)."""
+    names: list[str] = []
+    for name, p in proposers.items():
+        parts = [p.lookup.name, p.inner.name] if isinstance(p, ChainProposer) else [name]
+        names += [a for a in parts if a not in names]
+    return names
 
 
 class Schedule(Protocol):
@@ -218,7 +231,7 @@ class CostSchedule:
         self.k_max = k_max
         self.costs = costs
         self.depth_optimism = OPTIMISM if greedy else 0.0
-        self.acceptance = {name: Acceptance() for name in proposers}
+        self.acceptance = {name: Acceptance() for name in estimated(proposers)}
         self.carry = CARRY
         self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of a generation
         self.idle_generations = -1  # generations in a row that drafted nothing (rebind counts this one)
@@ -231,9 +244,10 @@ class CostSchedule:
         for acc in self.acceptance.values():
             acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
-        # Proposers that run the drafter, and those that need no model (prompt lookup): only the
-        # former pay the drafter's catching up, probe, and stop at a stop rule.
-        self._drafting = [a for a, p in proposers.items() if p.drafter is not None]
+        # Proposers that run the drafter, those that need no model (prompt lookup), and chains of the
+        # two: only the first and last pay the drafter's catching up and stop at a stop rule.
+        self._chains = [a for a, p in proposers.items() if isinstance(p, ChainProposer)]
+        self._drafting = [a for a, p in proposers.items() if p.drafter is not None and a not in self._chains]
         self._free = [a for a, p in proposers.items() if p.drafter is None]
         self._state = next((p.drafter for p in proposers.values() if p.drafter is not None), None)
         drafted = any(key != "plain" for key in self.rounds)
@@ -241,7 +255,6 @@ class CostSchedule:
         self.plain_streak = 0
         self.rounds = {}
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
-        self._behind = 0  # positions the planned draft's first drafter forward catches up
 
     def _rates(self, algo: str, k: int, optimism: float = 0.0) -> list[float]:
         """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1])."""
@@ -259,7 +272,8 @@ class CostSchedule:
 
         The drafter's algorithms are planned first (below); a proposer that needs no model (prompt
         lookup) then takes the round where its continuation, available now, is expected to be faster
-        than what was planned."""
+        than what was planned; then a chain (lookup+X), where the continuation is shorter than k and
+        extending it with the drafter is expected to be faster still."""
         k = min(self.k_max, budget)
         plain = 1.0 / self.costs.plain()
         algo, m, rate = self._plan_drafter(k, budget, plain, open_ended) if self._drafting else (None, 0, plain)
@@ -272,10 +286,38 @@ class CostSchedule:
                 if max(hopes) > rate:
                     depths = self._rates(name, cap, self.depth_optimism)
                     algo, m, rate = name, 1 + int(np.argmax(depths)), max(hopes)
-        drafter_drafts = algo is not None and algo in self._drafting
+        head = 0
+        for name in self._chains:
+            chain = self.proposers[name]
+            assert isinstance(chain, ChainProposer) and self._state is not None
+            j = chain.available(k) if k > 1 and not self._state.lagging else 0
+            if 0 < j < k:
+                hopes = self._chain_rates(chain, j, k, OPTIMISM)
+                if max(hopes) > rate:
+                    depths = self._chain_rates(chain, j, k, self.depth_optimism)
+                    extend = k - j if open_ended else 1 + int(np.argmax(depths))
+                    algo, m, rate, head = name, j + extend, max(hopes), j
+        drafter_drafts = algo is not None and (algo in self._drafting or algo in self._chains)
         self.plain_streak = 0 if drafter_drafts else self.plain_streak + 1
-        self._behind = self._state.behind if drafter_drafts and self._state is not None else 0
-        return Plan(self.proposers[algo] if algo else None, m)
+        return Plan(self.proposers[algo] if algo else None, m, lookup=head)
+
+    def _chain_rates(self, chain: ChainProposer, head: int, k: int, optimism: float) -> list[float]:
+        """Expected tokens per second of a chain's rounds: the lookup's `head` candidates, then the
+        drafter's e = 1..k - head ([e - 1]). The drafter's first forward also feeds the head's
+        positions (and any it is behind): catching up paid by this round."""
+        assert self._state is not None
+        rates = self.acceptance[chain.lookup.name].rates(head, optimism)
+        rates += self.acceptance[chain.inner.name].rates(k - head, optimism)
+        draft = self.costs.draft(chain.inner.name)
+        behind = self._state.behind_after(head)
+        out, run, tokens = [], 1.0, 1.0
+        for i, a in enumerate(rates):
+            run *= a
+            tokens += run
+            if i >= head:
+                e = i + 1 - head
+                out.append(tokens / self.costs.extended(head + e, e, draft, behind))
+        return out
 
     def _plan_drafter(self, k: int, budget: int, plain: float, open_ended: bool) -> tuple[str | None, int, float]:
         """The drafter's algorithm and draft length (None, 0: a plain step), with the rate it expects."""
@@ -322,17 +364,30 @@ class CostSchedule:
                 accepted_bytes: int = 0, other_s: float = 0.0) -> None:
         proposer = plan.proposer if proposed else None  # a round that proposed nothing was a plain step
         algo = self._algo_of[id(proposer)] if proposer is not None else None
-        caught_up = proposer.drafter.catch_up_s if proposer is not None and proposer.drafter is not None else 0.0
-        self.costs.observe(proposed + 1, target_s, other_s, algo, proposed, draft_s, caught_up, self._behind)
         key = f"{algo}:{proposed}" if algo is not None else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
-        if algo is None:
+        if proposer is None or algo is None:
+            self.costs.observe(proposed + 1, target_s, other_s)
             return
+        # A chain's candidates are its parts': the lookup's first, then the drafter's, each learnt as
+        # if drafted alone (the drafter's given that the lookup's were accepted); what it spent on
+        # drafting is the drafter's.
+        parts, drafting, drafted = [(algo, proposed, accepted)], algo, proposed
+        if isinstance(proposer, ChainProposer):
+            head = min(plan.lookup, proposed)
+            parts = [(proposer.lookup.name, head, min(accepted, head))]
+            drafting, drafted = proposer.inner.name, proposed - head
+            if drafted and accepted >= head:
+                parts.append((drafting, drafted, accepted - head))
+        state = proposer.drafter
+        caught_up = (state.catch_up_s, state.caught_up) if state is not None and drafted else (0.0, 0)
+        self.costs.observe(proposed + 1, target_s, other_s, drafting, drafted, draft_s, *caught_up)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
             acc.decay()
-        self.acceptance[algo].update(proposed, accepted)
+        for name, n, a in parts:
+            self.acceptance[name].update(n, a)
 
     def summary(self) -> dict:
         return {

@@ -208,11 +208,12 @@ class Model:
         algo = cfg.check().algorithm
         if algo in ("auto", "plain", "lookup"):
             return algo
+        drafting = algo.removeprefix("lookup+")  # lookup+X drafts with X after the lookup's candidates
         if self.drafter is None:
             raise UsageError(f"--algorithm {algo} needs a pair folder; this folder has a single engine")
-        if algo == "rdk" and self.kernel is None:
+        if drafting == "rdk" and self.kernel is None:
             raise UsageError("--algorithm rdk needs the pair's RDK kernel: export the pair with --drafter-vocab-keep")
-        if algo == "standard" and not self.same_vocab:
+        if drafting == "standard" and not self.same_vocab:
             raise UsageError(
                 "--algorithm standard needs one vocabulary for target and drafter; these differ "
                 "(use slem, tli or slrs)"
@@ -222,7 +223,8 @@ class Model:
     def candidates(self, algo: str, greedy: bool = False) -> tuple[str, ...]:
         """The algorithms a resolved algorithm drafts with. auto: `standard` for a shared vocabulary;
         across vocabularies SLEM alone in greedy decoding, TLI and SLRS (and RDK on a pair with a
-        kernel) when sampling; prompt lookup on every menu.
+        kernel) when sampling; prompt lookup on every menu, and each drafting algorithm chained after
+        it (`lookup+X`: the lookup's continuation, extended by X's draft).
 
         Greedy, every rule accepts a candidate exactly when it is the target's argmax, and SLEM's
         candidates are the target's own tokenization of the drafter's greedy text, which TLI (drafting
@@ -239,10 +241,12 @@ class Model:
         if self.drafter is None:
             return ("lookup",)
         if self.same_vocab:
-            return ("standard", "lookup")
-        if greedy:
-            return ("slem", "lookup")
-        return ("tli", "slrs", "rdk", "lookup") if self.kernel is not None else ("tli", "slrs", "lookup")
+            drafting: tuple[str, ...] = ("standard",)
+        elif greedy:
+            drafting = ("slem",)
+        else:
+            drafting = ("tli", "slrs", "rdk") if self.kernel is not None else ("tli", "slrs")
+        return (*drafting, "lookup", *(f"lookup+{a}" for a in drafting))
 
     def costs(self, k_max: int) -> Costs:
         """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught

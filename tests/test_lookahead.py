@@ -20,7 +20,8 @@ TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms p
 
 
 def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False, catch_up: float = 0.0) -> CostSchedule:
-    state = SimpleNamespace(catch_up_s=0.0, behind=0)  # one drafter state serves every proposer
+    # one drafter state serves every proposer
+    state = SimpleNamespace(catch_up_s=0.0, caught_up=0, behind=0, lagging=False)
     proposers = {a: SimpleNamespace(name=a, drafter=state) for a in algos}
     return CostSchedule(proposers, K, CostModel(TARGET, {a: draft_s for a in algos}, catch_up), greedy)
 
@@ -163,7 +164,7 @@ def test_a_draft_starts_only_where_the_rest_gains_back_the_catching_up() -> None
     assert [sched.plan(1).m for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [1]
     # What a draft's catching up measured is what later decisions use: here 3 ms a position.
     plan = sched.plan(199)
-    state.catch_up_s = 0.030
+    state.catch_up_s, state.caught_up = 0.030, 10
     sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006)
     assert abs(sched.costs.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
 
@@ -175,7 +176,7 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
     A generation that drafted starts the count again."""
     sched = schedule(0.006, catch_up=0.001)
     state = sched.proposers["slem"].drafter
-    state.behind, state.catch_up_s = 100, 0.100
+    state.behind, state.catch_up_s, state.caught_up = 100, 0.100, 100
     steps, idle = [], []
     for generation in range(PROBE_EVERY_GENERATIONS + 2):
         if generation:
@@ -335,7 +336,7 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
     plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
     first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
-    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup"))][0]  # greedy, the longest draft 6
+    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup", "lookup+slem"))][0]  # greedy, the longest draft 6
     kept = sched.costs.catch_up.value
     try:
         sched.costs.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that
@@ -344,3 +345,41 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
         sched.costs.catch_up.value = kept
     assert r.token_ids == plain and r.stats.drafter_forwards == 0
     assert {key.split(":")[0] for key in r.stats.schedule["rounds"]} <= {"plain", "lookup"}  # no drafter round
+
+
+def test_a_chain_extends_a_short_lookup_continuation_where_drafting_pays() -> None:
+    """The lookup has two candidates ("1 2" followed the earlier "1 2"), both parts are accepted 90%
+    of the time: with a drafter at a tenth of a target step the round chains the two (the lookup's
+    free candidates, then drafted ones), and learns each part's acceptance as its own; with one
+    dearer than a target step the lookup's two alone pay best."""
+    import copy
+
+    from edge_sd.algorithms import ChainProposer, LookupProposer
+    from edge_sd.lookahead import Plan
+
+    history = [1, 2, 1, 2]
+    for draft_s, chained in ((0.003, True), (0.045, False)):
+        state = SimpleNamespace(catch_up_s=0.0, caught_up=0, behind=0, lagging=False, behind_after=lambda n: 0)
+        slem = SimpleNamespace(name="slem", drafter=state, verifier=None)
+        lookup = LookupProposer(history)
+        chain = ChainProposer(lookup, slem, None, 8)
+        sched = CostSchedule({"slem": slem, "lookup": lookup, "lookup+slem": chain}, K,
+                             CostModel(TARGET, {"slem": draft_s, "lookup": 0.0}), greedy=True)
+        for i in range(40):
+            sched.observe(Plan(slem, 3), 3, 3 if i % 10 else 2, TARGET[4], 3 * draft_s)
+            sched.observe(Plan(lookup, 2), 2, 2 if i % 10 else 1, TARGET[3], 0.0)
+        plan = sched.plan(K)
+        if not chained:
+            assert plan.proposer is lookup and plan.m == 2, plan
+            continue
+        assert plan.proposer is chain and plan.lookup == 2 and plan.m > 2, plan
+        expected = copy.deepcopy(sched.acceptance)
+        for acc in expected.values():
+            acc.decay()
+        expected["lookup"].update(2, 2)
+        expected["slem"].update(plan.m - 2, 1)  # the lookup's two and one drafted token accepted
+        sched.observe(plan, plan.m, 3, TARGET[plan.m + 1], (plan.m - 2) * draft_s)
+        assert sched.acceptance == expected and sched.rounds[f"lookup+slem:{plan.m}"] == 1
+        # A drafter lagging behind the text cannot take the lookup's candidates in: no chain.
+        state.lagging = True
+        assert sched.plan(K).proposer is not chain

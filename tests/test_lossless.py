@@ -112,7 +112,8 @@ def test_pruned_drafters_greedy_equals_plain(pipelines, references, pair: str, a
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_standard_same_vocabulary(pipelines, references, k: int) -> None:
     pipe = pipelines["llama_same"]
-    assert pipe.same_vocab and pipe.candidates(pipe.resolve_algorithm(GenerationConfig())) == ("standard", "lookup")
+    assert pipe.same_vocab
+    assert pipe.candidates(pipe.resolve_algorithm(GenerationConfig())) == ("standard", "lookup", "lookup+standard")
     for prompt in PROMPTS:
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="standard",
                                                    lookahead=k))
@@ -411,7 +412,8 @@ def test_auto_is_lossless_and_says_what_it_did(pipelines, references, pair: str)
     pipe = pipelines[pair]
     algos = {"standard", "lookup"} if pipe.same_vocab else {"slem", "lookup"}
     assert pipe.candidates("auto", greedy=False) == (
-        ("standard", "lookup") if pipe.same_vocab else ("tli", "slrs", "lookup"))
+        ("standard", "lookup", "lookup+standard") if pipe.same_vocab
+        else ("tli", "slrs", "lookup", "lookup+tli", "lookup+slrs"))
     for prompt in PROMPTS[:8]:
         r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
         plain, gaps = references[pair, prompt]
@@ -421,7 +423,7 @@ def test_auto_is_lossless_and_says_what_it_did(pipelines, references, pair: str)
         assert (s.algorithm, s.lookahead) == ("auto", 6)
         rounds = s.schedule["rounds"]
         assert sum(rounds.values()) == s.target_forwards == sum(s.rounds_by_drafts.values())
-        assert {key.split(":")[0] for key in rounds} <= algos | {"plain"}
+        assert {key.split(":")[0] for key in rounds} <= algos | {f"lookup+{a}" for a in algos - {"lookup"}} | {"plain"}
         assert set(s.schedule["target_ms"]) == set(range(1, 8)) and set(s.schedule["draft_ms_per_token"]) == algos
 
 
@@ -541,4 +543,74 @@ def test_lookup_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) 
     monkeypatch.setattr(LookupProposer, "verifier", staticmethod(accept_all))
     pipe = pipelines["gemma_qwen"]
     tv, bound, _, _ = two_token_tv(pipe, "lookup", WARPS["T1-top4"], self_repeating(pipe))
+    assert tv > bound, f"a wrong verifier passed: TV {tv:.4f} < {bound:.4f}"
+
+
+# --- chains: the lookup's continuation extended by the drafter --------------------------------------
+
+CHAINS = ("lookup+slem", "lookup+tli", "lookup+slrs")
+# A prompt whose target ids on the llama pairs end in one token three times: the lookup's continuation
+# is that token alone (which the target gives probability 0.78 under top-4), so a draft of two chains
+# one lookup candidate and one drafted candidate.
+SHORT_MATCH = "Every engineer and and and"
+
+
+def count_takes(monkeypatch) -> list[bool]:
+    """Whether each chained round's drafter took the lookup's candidates in (DrafterState.take)."""
+    from edge_sd.algorithms import DrafterState
+
+    taken: list[bool] = []
+    take = DrafterState.take
+
+    def spy(self, text: bytes) -> bool:
+        taken.append(take(self, text))
+        return taken[-1]
+
+    monkeypatch.setattr(DrafterState, "take", spy)
+    return taken
+
+
+@pytest.mark.parametrize("algo", CHAINS)
+@pytest.mark.parametrize("k", [3, 5])
+def test_chains_greedy_equal_plain(pipelines, references, monkeypatch, algo: str, k: int) -> None:
+    """lookup+X: plain decoding's output, with rounds where the drafter took the lookup's candidates in
+    and drafted on from them."""
+    taken = count_takes(monkeypatch)
+    proposed = accepted = forwards = 0
+    for pair in ("gemma_qwen", "llama_sp2"):
+        pipe = pipelines[pair]
+        for prompt in PROMPTS + REPEATING:
+            r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo, lookahead=k))
+            plain, gaps = references[pair, prompt] if (pair, prompt) in references else plain_greedy(
+                pipe, pipe.target.prompt_ids(prompt, False), NEW_TOKENS)
+            assert_same_or_near_tie(r.token_ids, plain, gaps, f"{pair}/{algo}/k={k}/{prompt!r}", is_exact(pipe))
+            assert_text_is_the_ids(pipe, r)
+            proposed, accepted = proposed + r.stats.proposed, accepted + r.stats.accepted
+            forwards += r.stats.drafter_forwards
+    assert sum(taken) > 10 and forwards > 0 and 0 < accepted < proposed
+
+
+@pytest.mark.parametrize("pair,algo", [("llama_qwen", "lookup+tli"), ("llama_sp2", "lookup+slem"),
+                                       ("llama_sp2", "lookup+slrs")])
+def test_chain_sampling_matches_plain_distribution(pipelines, monkeypatch, pair: str, algo: str) -> None:
+    """The first candidate the lookup's (a point mass), the second the drafter's, verified in one
+    round: the first two tokens follow the target's distribution."""
+    taken = count_takes(monkeypatch)
+    tv, bound, accepted, outside = two_token_tv(pipelines[pair], algo, WARPS["T1-top4"], SHORT_MATCH)
+    assert outside == 0 and tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+    # The lookup's candidate is accepted about 78% of the time, so most rounds verify a drafted one.
+    assert accepted > SAMPLES // 2 and sum(taken) > SAMPLES // 2
+
+
+def test_chain_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -> None:
+    """Negative control: accepting every candidate of a chain emits the lookup's and the drafter's
+    proposals, not p."""
+    from edge_sd.algorithms import TLIProposer
+    from edge_sd.sampling import sample
+
+    def accept_all(cands, q, p, rng):
+        return len(cands), sample(p[len(cands)], rng)
+
+    monkeypatch.setattr(TLIProposer, "verifier", staticmethod(accept_all))
+    tv, bound, _, _ = two_token_tv(pipelines["llama_qwen"], "lookup+tli", WARPS["T1-top4"], SHORT_MATCH)
     assert tv > bound, f"a wrong verifier passed: TV {tv:.4f} < {bound:.4f}"

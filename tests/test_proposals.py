@@ -238,3 +238,60 @@ def test_no_healing_where_it_cannot_draft() -> None:
     for ids, kept in (([2], None), ([1, 0], None), ([1, 2], np.array([0, 1, 3]))):
         state = DrafterState(ScriptedEngine([LOGITS]), DRAFTER, ids, kept, heal=True)
         assert state.ids == ids and state.head == b"" and state.healing == b""
+
+
+# --- chains: the lookup's continuation, extended by the drafter ------------------------------------
+
+def test_a_chain_proposes_the_lookups_continuation_then_the_drafters_draft() -> None:
+    """History "a b a b": the lookup proposes "a b" (what followed the earlier "a b"); the drafter takes
+    that text in and drafts on from it. SLEM's candidates need no q; TLI's rows follow one-hot rows of
+    the lookup's point masses (section 1's rule on a one-hot row is verify_point's)."""
+    from edge_sd.algorithms import ChainProposer, LookupProposer
+
+    history = [0, 1, 0, 1]
+    rows = [[0, 0, 0, 0, 9, 0, 0]]  # the drafter's favourite: "abc"
+    state = drafter_state(rows)
+    chain = ChainProposer(LookupProposer(history), SLEMProposer(state, TARGET, [0]), TARGET, 6)
+    assert chain.name == "lookup+slem" and chain.verifier is verify_exact and chain.available(4) == 2
+    draft = chain.propose(4, history)
+    # "abcabc" after "ab": the target's a, b (k - 2 = 2 of a, b, c, a, b, c)
+    assert draft.candidates == [0, 1, 0, 1] and draft.q is None
+    # the head's "a", "b" went in with the first forward: two forwards for two drafted tokens
+    assert state.ids == [1, 1, 2, 4, 4] and (state.engine.n_cached, state.engine.calls) == (4, 2)
+    # k no longer than the continuation: the lookup's alone, the drafter untouched.
+    state = drafter_state(rows)
+    chain = ChainProposer(LookupProposer(history), SLEMProposer(state, TARGET, [0]), TARGET, 6)
+    assert chain.propose(2, history).candidates == [0, 1] and state.ids == [1] and state.engine.calls == 0
+
+    q = softmax(LOGITS)
+    state = drafter_state([LOGITS])
+    tli = TLIProposer(state, MAPS.intersection, 6, TEMP, np.random.default_rng(0), [5])
+    chain = ChainProposer(LookupProposer(history), tli, TARGET, 6)
+    assert chain.verifier is verify_standard
+    draft = chain.propose(3, history)
+    assert draft.candidates[:2] == [0, 1] and len(draft.candidates) == 3 and draft.q.shape == (3, 6)
+    np.testing.assert_array_equal(draft.q[:2], np.eye(6)[[0, 1]])
+    mass = q[[0, 1, 2, 3, 4]].sum()
+    np.testing.assert_allclose(draft.q[2], np.array([q[1], q[2], 0.0, q[3], q[4], q[0]]) / mass, rtol=RTOL)
+
+
+def test_a_chain_drafts_alone_or_not_at_all_where_the_drafter_cannot_follow() -> None:
+    """No match: the drafter drafts alone. A head the drafter cannot spell ("c"), or a drafter that
+    lags behind the text: the lookup's candidates alone, nothing appended to the drafter."""
+    from edge_sd.algorithms import ChainProposer, LookupProposer
+
+    rows = [[0, 0, 0, 0, 9, 0, 0]]
+    state = drafter_state(rows)
+    chain = ChainProposer(LookupProposer([0, 1]), SLEMProposer(state, TARGET, [0]), TARGET, 6)
+    assert chain.available(3) == 0 and chain.propose(3, [0, 1]).candidates == [0, 1, 2]
+    for history, lagging in (([0, 2, 0, 2], False), ([0, 1, 0, 1], True)):
+        state = drafter_state(rows)
+        state.lagging = lagging
+        chain = ChainProposer(LookupProposer(history), SLEMProposer(state, TARGET, [0]), TARGET, 6)
+        assert chain.propose(4, history).candidates == history[2:] and state.ids == [1], history
+        assert state.engine.calls == 0
+    # take() refuses text ending inside a character and text that would fill the drafter's context.
+    state = drafter_state(rows)
+    assert not state.take("日".encode()[:2]) and not state.take(b"") and state.ids == [1]
+    state = DrafterState(ScriptedEngine(rows, max_context=3), DRAFTER, [1])
+    assert not state.take(b"ab") and state.take(b"a") and state.ids == [1, 1]

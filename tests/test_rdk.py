@@ -153,8 +153,8 @@ def test_rdk_needs_a_kernel(pipelines) -> None:
     with pytest.raises(UsageError, match="drafter-vocab-keep"):
         pipelines["gemma_qwen"].generate("The cat", GenerationConfig(algorithm="rdk"))
     pipe = pipelines["gemma_qwen_keep50"]
-    assert pipe.candidates("auto") == ("tli", "slrs", "rdk", "lookup")
-    assert pipe.candidates("auto", greedy=True) == ("slem", "lookup")
+    assert pipe.candidates("auto") == ("tli", "slrs", "rdk", "lookup", "lookup+tli", "lookup+slrs", "lookup+rdk")
+    assert pipe.candidates("auto", greedy=True) == ("slem", "lookup", "lookup+slem")
 
 
 def test_pruning_with_corpus_lines_longer_than_the_context(tiny_root: Path, tmp_path: Path, vocabs) -> None:

@@ -113,6 +113,7 @@ class DrafterState:
         # forward also gives the first drafted token, so only the excess is kept apart for the cost
         # schedule, which must predict what a drafted token costs.
         self.catch_up_s = 0.0
+        self.caught_up = 0  # the positions that cost was for (beyond one per catching-up forward)
         self.step_s: float | None = None  # a one-position forward: its running mean (early) or EMA
 
     def budget(self, k: int, stop: StopRule | None = None) -> int:
@@ -122,6 +123,7 @@ class DrafterState:
         self._position = 0
         self._stop = stop
         self.catch_up_s = 0.0
+        self.caught_up = 0
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
 
     @property
@@ -129,7 +131,11 @@ class DrafterState:
         """Positions the next forward feeds beyond a one-position step when it is catching up (more than
         STEADY_PENDING pending: the prompt, or tokens committed during plain steps), else 0: what
         `catch_up_s` will have measured."""
-        pending = len(self.ids) - self.engine.n_cached
+        return self.behind_after(0)
+
+    def behind_after(self, taken: int) -> int:
+        """`behind`, after `taken` more tokens were appended (`take`)."""
+        pending = len(self.ids) - self.engine.n_cached + taken
         return pending - 1 if pending > STEADY_PENDING else 0
 
     def keep_drafting(self, logits: np.ndarray) -> bool:
@@ -156,6 +162,7 @@ class DrafterState:
                 self.step_s = elapsed if self.step_s is None else self.step_s + STEP_WEIGHT * (elapsed - self.step_s)
             elif len(pending) > STEADY_PENDING:
                 self.catch_up_s += max(0.0, elapsed - (self.step_s or 0.0))
+                self.caught_up += len(pending) - 1
         assert self._last_logits is not None, "the drafter has no context to continue"
         if self.healing:
             healed = np.full_like(self._last_logits, -np.inf)
@@ -171,6 +178,20 @@ class DrafterState:
 
     def push(self, d: int) -> None:
         self.ids.append(int(d))
+
+    def take(self, text: bytes) -> bool:
+        """Append drafter tokens spelling `text` as if it were committed after the synced text (a
+        proposal the drafter is to continue), before a draft; the next sync keeps them where the
+        text came true. False, with nothing appended, where they could not line up with the text: the
+        drafter lags behind it, `text` ends inside a character, its tokenizer cannot spell it, or it
+        would leave no room to draft."""
+        if self.lagging or not text or utf8_complete(text) != text or is_continuation(text):
+            return False
+        ids = self.vocab.encode_bytes(self.healing + text)  # a healed prompt end starts it
+        if not ids or len(self.ids) + len(ids) >= self.engine.manifest.max_context:
+            return False
+        self.ids += ids
+        return True
 
     def sync(self, generated: bytes) -> None:
         """Keep the longest prefix of drafter tokens that still matches the text, re-tokenize a short
