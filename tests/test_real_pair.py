@@ -16,7 +16,7 @@ import pytest
 from edge_sd import GenerationConfig, Pipeline
 from edge_sd.paths import cache_dir
 
-from test_lossless import assert_same_or_near_tie, is_exact, plain_greedy
+from test_lossless import assert_same_or_near_tie, count_takes, is_exact, plain_greedy
 
 pytestmark = pytest.mark.real
 
@@ -137,6 +137,20 @@ def test_greedy_equals_plain_and_acceptance(pipe, references, algo: str, k: int)
     rate = accepted / proposed
     print(f"\n{algo} k={k}: acceptance {rate:.3f} ({accepted}/{proposed})")
     assert rate >= ACCEPTANCE_FLOOR[algo, k], f"{algo} k={k}: acceptance {rate:.1%} below its floor"
+
+
+def test_chain_greedy_equals_plain(pipe, references, monkeypatch) -> None:
+    """lookup+slem on the real pair: plain decoding's output, with rounds where SmolLM2 took the
+    lookup's continuation in and drafted on from it."""
+    taken = count_takes(monkeypatch)
+    # Texts repeating a short period: the lookup's continuation often runs to the text's end, shorter
+    # than the draft, so the drafter drafts on.
+    for prompt in [*PROMPTS, "Monday Tuesday Monday Tuesday Monday", "ha ha ha ha"]:
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="lookup+slem", lookahead=5))
+        plain, gaps = references[prompt] if prompt in references else plain_greedy(
+            pipe, pipe.target.prompt_ids(prompt, False), NEW_TOKENS)
+        assert_same_or_near_tie(r.token_ids, plain, gaps, f"real/lookup+slem/{prompt!r}", is_exact(pipe))
+    assert sum(taken) > 5
 
 
 def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) -> None:
