@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_sd.algorithms import DrafterState, SLEMProposer, SLRSProposer, TLIProposer
+from edge_sd.algorithms.base import STEP_WEIGHT
 from edge_sd.algorithms.slem import verify_exact
 from edge_sd.algorithms.standard import verify_standard
 from edge_sd.manifest import EngineManifest
@@ -40,6 +41,7 @@ class ScriptedEngine:
         self.n_cached = 0
         self.calls = 0
         self.min_step, self.head_rows, self.forward_count, self.forward_time = 1, 1, 0, 0.0
+        self.seconds = lambda positions: 0.0  # what a forward over that many positions takes
 
     @property
     def cached_ids(self) -> np.ndarray:
@@ -47,6 +49,7 @@ class ScriptedEngine:
 
     def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
         self.n_cached += len(ids)
+        self.forward_time += self.seconds(len(ids))
         row = self.rows[min(self.calls, len(self.rows) - 1)]
         self.calls += 1
         return np.tile(row, (last or len(ids), 1))
@@ -200,6 +203,23 @@ def test_slem_drafts_text_and_lets_the_target_decide() -> None:
     draft = p.propose(2, [])
     # "aba" re-tokenized by the target (no merges in this toy tokenizer: a, b, a), capped at k=2.
     assert draft.q is None and draft.candidates == [0, 1]
+
+
+def test_the_drafter_state_times_its_forwards_on_the_engines_clock() -> None:
+    """A forward over n positions takes 10 ms + 1 ms a position: a draft's first forward over the
+    5-token prompt is a one-position step (11 ms) plus 4 ms of catching up, for 4 positions; a step
+    after it moves the step's estimate by what it measured."""
+    engine = ScriptedEngine([LOGITS])
+    engine.seconds = lambda n: 0.010 + 0.001 * n
+    state = DrafterState(engine, DRAFTER, [1, 2, 1, 2, 1])
+    state.step_s = 0.012  # the estimate made at load
+    assert state.budget(2) == 2 and state.behind == 4
+    state.next_logits()
+    assert abs(state.catch_up_s - (0.015 - 0.012)) < 1e-12 and state.caught_up == 4
+    state.push(1)
+    state.next_logits()
+    assert abs(state.step_s - (0.012 + STEP_WEIGHT * (0.011 - 0.012))) < 1e-12 and state.caught_up == 4
+    assert state.budget(2) == 2 and (state.catch_up_s, state.caught_up) == (0.0, 0)  # each draft its own
 
 
 @pytest.mark.parametrize("k", [0, 3])

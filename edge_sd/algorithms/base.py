@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -150,14 +149,14 @@ class DrafterState:
         then drafts from the kept tokens alone, with no map of its own."""
         pending = self.ids[self.engine.n_cached :]
         if pending:
-            start = time.perf_counter()
+            before = self.engine.forward_time  # engines time their own forwards
             out = self.engine.forward(np.asarray(pending), last=1)[-1]
+            elapsed = self.engine.forward_time - before
             if self.kept is None:
                 self._last_logits = out[: self.vocab.size]
             else:
                 self._last_logits = np.full(self.vocab.size, -np.inf, dtype=out.dtype)
                 self._last_logits[self.kept] = out[: len(self.kept)]
-            elapsed = time.perf_counter() - start
             if len(pending) == 1:
                 self.step_s = elapsed if self.step_s is None else self.step_s + STEP_WEIGHT * (elapsed - self.step_s)
             elif len(pending) > STEADY_PENDING:

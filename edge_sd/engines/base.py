@@ -20,7 +20,9 @@ class Engine(Protocol):
     # The LM head computes at least this many of a forward's rows (manifest `min_head_rows`).
     head_rows: int
     forward_count: int  # forwards run so far
-    forward_time: float  # seconds spent in them
+    # Seconds spent in them: the one clock of forwards, which the loop, the drafter state and the
+    # cost measurement read before and after a forward.
+    forward_time: float
 
     @property
     def cached_ids(self) -> np.ndarray:
