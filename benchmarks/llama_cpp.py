@@ -224,6 +224,18 @@ def ratios(result: dict, label: str, against: list[str]) -> dict[str, float]:
                                  for r in result["records"] if s in ("all", r["set"])) for s in sets}
 
 
+def round_kinds(result: dict, label: str) -> dict[str, int]:
+    """What a row's rounds were, over every prompt (from auto's schedule statistics)."""
+    kinds = {"plain steps": 0, "lookup drafts": 0, "drafter drafts": 0, "lookup drafts extended by the drafter": 0}
+    for r in result["records"]:
+        for key, n in r["runs"][label].get("schedule", {}).items():
+            algo = key.split(":")[0]
+            kind = ("plain steps" if algo == "plain" else "lookup drafts" if algo == "lookup"
+                    else "lookup drafts extended by the drafter" if algo.startswith("lookup+") else "drafter drafts")
+            kinds[kind] += n
+    return kinds
+
+
 def report(result: dict) -> str:
     med = medians(result)
     sets = list(next(iter(med.values())))
@@ -264,6 +276,10 @@ def report(result: dict) -> str:
     equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
     lines += ["", f"edge-sd auto's greedy output equal to its plain decoding: {equal} of {len(result['records'])} "
               "prompts."]
+    for label in ("edge-sd auto", "edge-sd auto, T=1"):
+        kinds = round_kinds(result, label)
+        lines += ["", f"{label}'s rounds over every prompt: {sum(kinds.values())} ("
+                  + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")."]
     if "perplexity" in result:
         p = result["perplexity"]
         fp32_ppl = f", the fp32 export of the same file {p['edge_sd_fp32']:.3f}" if p.get("edge_sd_fp32") else ""

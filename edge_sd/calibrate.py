@@ -15,7 +15,7 @@ import numpy as np
 from edge_sd.algorithms.base import DrafterState, Proposer
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, best_threshold, fit_logistic, token_features
 from edge_sd.errors import ContextLimitError, UsageError
-from edge_sd.lookahead import Plan, StaticSchedule
+from edge_sd.lookahead import Plan, Round, StaticSchedule
 from edge_sd.manifest import write_aside
 from edge_sd.model import COSTS_FILE
 from edge_sd.pipeline import GenerationConfig, Pipeline
@@ -118,12 +118,11 @@ class TraceRecorder(StaticSchedule):
         self._start = -len(self.state.healing)  # a healed first token begins with the prompt's end
         return replace(super().plan(budget), stop=self._record)  # records each drafted token, stops none
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+    def observe(self, plan: Plan, r: Round) -> None:
         if not self._features:
             return
-        labels = [int(end <= accepted_bytes) for end in self._ends]
+        labels = [int(end <= r.accepted_bytes) for end in self._ends]
         self.rounds.append((self._features, labels))
-        self.draft_s.append(draft_s / len(self._features))
-        if proposed:
-            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)
+        self.draft_s.append(r.draft_s / len(self._features))
+        if r.proposed:
+            self.recent += RECENT_WEIGHT * (r.accepted / r.proposed - self.recent)

@@ -71,6 +71,23 @@ class Plan:
     lookup: int = 0
 
 
+@dataclass
+class Round:
+    """What a round proposed and accepted, and what it cost: its target forward, its drafting (of which
+    `catch_up_s` went to catching the drafter up on `caught_up` positions: the draft's own figures),
+    and the rest of it (verification, the text, syncing the drafter). accepted_bytes: the bytes the
+    accepted candidates spell."""
+
+    proposed: int
+    accepted: int
+    target_s: float
+    draft_s: float = 0.0
+    other_s: float = 0.0
+    accepted_bytes: int = 0
+    catch_up_s: float = 0.0
+    caught_up: int = 0
+
+
 def estimated(proposers: dict[str, Proposer]) -> list[str]:
     """The algorithms whose acceptance and drafting cost a cost schedule follows: every proposer's,
     a chain's two parts instead of its own (what it proposes is theirs)."""
@@ -90,10 +107,8 @@ class Schedule(Protocol):
         the length may let a draft that pays run to its longest."""
         ...
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        """What the round proposed and accepted (and the bytes the accepted candidates spell), and what
-        its target forward, its drafting and the rest of it (verification, text, drafter sync) cost."""
+    def observe(self, plan: Plan, r: Round) -> None:
+        """What the planned round proposed, accepted and cost."""
         ...
 
     def summary(self) -> dict:
@@ -110,8 +125,7 @@ class StaticSchedule:
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
         return Plan(self.proposer, min(self.k, budget) if self.proposer else 0)
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+    def observe(self, plan: Plan, r: Round) -> None:
         pass
 
     def summary(self) -> dict:
@@ -142,10 +156,9 @@ class HeuristicSchedule(StaticSchedule):
         super().__init__(proposer, max(1, k))
         self.k_max = k_max
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        if proposed:
-            self.k = min(self.k_max, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+    def observe(self, plan: Plan, r: Round) -> None:
+        if r.proposed:
+            self.k = min(self.k_max, self.k + 2) if r.accepted == r.proposed else max(1, self.k - 1)
 
 
 @dataclass
@@ -360,14 +373,14 @@ class CostSchedule:
                 expected = max(rates[best_algo]) if drafts else 0.0
         return best_algo, best_m, expected
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
+    def observe(self, plan: Plan, r: Round) -> None:
+        proposed, accepted = r.proposed, r.accepted
         proposer = plan.proposer if proposed else None  # a round that proposed nothing was a plain step
         algo = self._algo_of[id(proposer)] if proposer is not None else None
         key = f"{algo}:{proposed}" if algo is not None else "plain"
         self.rounds[key] = self.rounds.get(key, 0) + 1
         if proposer is None or algo is None:
-            self.costs.observe(proposed + 1, target_s, other_s)
+            self.costs.observe(proposed + 1, r.target_s, r.other_s)
             return
         # A chain's candidates are its parts': the lookup's first, then the drafter's, each learnt as
         # if drafted alone (the drafter's given that the lookup's were accepted); what it spent on
@@ -379,9 +392,8 @@ class CostSchedule:
             drafting, drafted = proposer.inner.name, proposed - head
             if drafted and accepted >= head:
                 parts.append((drafting, drafted, accepted - head))
-        state = proposer.drafter
-        caught_up = (state.catch_up_s, state.caught_up) if state is not None and drafted else (0.0, 0)
-        self.costs.observe(proposed + 1, target_s, other_s, drafting, drafted, draft_s, *caught_up)
+        self.costs.observe(proposed + 1, r.target_s, r.other_s, drafting, drafted, r.draft_s, r.catch_up_s,
+                           r.caught_up)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
         for acc in self.acceptance.values():
@@ -419,9 +431,8 @@ class StoppedSchedule:
         # against 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
         return replace(self.inner.plan(budget, open_ended=True), stop=self.stop)
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        self.inner.observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
+    def observe(self, plan: Plan, r: Round) -> None:
+        self.inner.observe(plan, r)
 
     def summary(self) -> dict:
         return self.inner.summary()
@@ -450,11 +461,10 @@ class DiscoSchedule(StoppedSchedule):
         self.algo = self.names.get(id(plan.proposer), "")
         return plan
 
-    def observe(self, plan: Plan, proposed: int, accepted: int, target_s: float, draft_s: float,
-                accepted_bytes: int = 0, other_s: float = 0.0) -> None:
-        if proposed:
-            self.recent += RECENT_WEIGHT * (accepted / proposed - self.recent)
-        super().observe(plan, proposed, accepted, target_s, draft_s, accepted_bytes, other_s)
+    def observe(self, plan: Plan, r: Round) -> None:
+        if r.proposed:
+            self.recent += RECENT_WEIGHT * (r.accepted / r.proposed - self.recent)
+        super().observe(plan, r)
 
     def summary(self) -> dict:
         return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}

@@ -17,7 +17,7 @@ from edge_sd.algorithms.base import DrafterState
 from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
 from edge_sd.errors import EdgeSDError
-from edge_sd.lookahead import Schedule
+from edge_sd.lookahead import Round, Schedule
 from edge_sd.sampling import Rows, SamplingConfig, draw
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
@@ -113,7 +113,9 @@ class Decoder:
         if self.drafter is not None and not stream.done:
             self.drafter.sync(stream.generated)
         rest_s = time.perf_counter() - round_start - target_s - draft_s
-        self.schedule.observe(plan, len(cands), a, target_s, draft_s, len(stream.vocab.ids_bytes(cands[:a])), rest_s)
+        caught = (draft.catch_up_s, draft.caught_up) if draft is not None else (0.0, 0)
+        self.schedule.observe(plan, Round(len(cands), a, target_s, draft_s, rest_s,
+                                          len(stream.vocab.ids_bytes(cands[:a])), *caught))
         self.stats.wall_s += time.perf_counter() - round_start
         if stream.done:
             return Emitted(new, text + self.finish("context").text)

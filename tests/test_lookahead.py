@@ -13,6 +13,7 @@ from edge_sd.lookahead import (
     Acceptance,
     CostSchedule,
     HeuristicSchedule,
+    Round,
 )
 
 K = 6
@@ -21,7 +22,7 @@ TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms p
 
 def schedule(draft_s: float, algos=("slem", "tli"), greedy: bool = False, catch_up: float = 0.0) -> CostSchedule:
     # one drafter state serves every proposer
-    state = SimpleNamespace(catch_up_s=0.0, caught_up=0, behind=0, lagging=False)
+    state = SimpleNamespace(behind=0, lagging=False)
     proposers = {a: SimpleNamespace(name=a, drafter=state) for a in algos}
     return CostSchedule(proposers, K, CostModel(TARGET, {a: draft_s for a in algos}, catch_up), greedy)
 
@@ -35,12 +36,12 @@ def run(sched: CostSchedule, accept: dict[str, float], rounds: int = 200, later:
     for _ in range(rounds):
         plan = sched.plan(K)
         if plan.proposer is None:
-            sched.observe(plan, 0, 0, TARGET[1], 0.0)
+            sched.observe(plan, Round(0, 0, TARGET[1]))
             continue
         a = 0
         while a < plan.m and rng.random() < (accept[plan.proposer.name] if a == 0 or later is None else later):
             a += 1
-        sched.observe(plan, plan.m, a, TARGET[plan.m + 1], plan.m * sched.costs.draft(plan.proposer.name))
+        sched.observe(plan, Round(plan.m, a, TARGET[plan.m + 1], plan.m * sched.costs.draft(plan.proposer.name)))
     return sched.rounds
 
 
@@ -87,7 +88,7 @@ def test_an_algorithm_unlucky_at_first_is_tried_again() -> None:
 
     sched = schedule(0.003)
     for algo, accepted in (("slem", 0), ("tli", 3)) * 2:
-        sched.observe(Plan(sched.proposers[algo], 3), 3, accepted, TARGET[4], 3 * 0.003)
+        sched.observe(Plan(sched.proposers[algo], 3), Round(3, accepted, TARGET[4], 3 * 0.003))
     rounds = run(sched, {"slem": 0.9, "tli": 0.6}, rounds=300)
     slem = sum(v for key, v in rounds.items() if key.startswith("slem"))
     assert slem > 200 and sched.acceptance["slem"].rate(0) > 0.8
@@ -164,8 +165,7 @@ def test_a_draft_starts_only_where_the_rest_gains_back_the_catching_up() -> None
     assert [sched.plan(1).m for _ in range(PROBE_EVERY + 1)] == [0] * PROBE_EVERY + [1]
     # What a draft's catching up measured is what later decisions use: here 3 ms a position.
     plan = sched.plan(199)
-    state.catch_up_s, state.caught_up = 0.030, 10
-    sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006)
+    sched.observe(plan, Round(plan.m, 0, TARGET[plan.m + 1], 0.030 + plan.m * 0.006, catch_up_s=0.030, caught_up=10))
     assert abs(sched.costs.catch_up.value - (0.001 + 0.003) / 2) < 1e-12
 
 
@@ -176,7 +176,7 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
     A generation that drafted starts the count again."""
     sched = schedule(0.006, catch_up=0.001)
     state = sched.proposers["slem"].drafter
-    state.behind, state.catch_up_s, state.caught_up = 100, 0.100, 100
+    state.behind = 100
     steps, idle = [], []
     for generation in range(PROBE_EVERY_GENERATIONS + 2):
         if generation:
@@ -185,7 +185,8 @@ def test_a_probe_pays_the_catching_up_after_generations_without_a_draft() -> Non
         for _ in range(PROBE_EVERY + 1):
             plan = sched.plan(9)
             ms.append(plan.m)
-            sched.observe(plan, plan.m, 0, TARGET[plan.m + 1], plan.m * 0.006 + (0.100 if plan.m else 0.0))
+            caught = (0.100, 100) if plan.m else (0.0, 0)
+            sched.observe(plan, Round(plan.m, 0, TARGET[plan.m + 1], plan.m * 0.006 + caught[0], 0.0, 0, *caught))
         steps.append(ms)
         idle.append(sched.summary()["idle_generations"])
     plain = [0] * (PROBE_EVERY + 1)
@@ -201,7 +202,7 @@ def test_costs_follow_what_rounds_measure() -> None:
     sched = schedule(0.003)
     for _ in range(100):
         plan = sched.plan(K)
-        sched.observe(plan, plan.m, 0, 0.060, plan.m * 0.050)  # everything slower than calibrated
+        sched.observe(plan, Round(plan.m, 0, 0.060, plan.m * 0.050))  # everything slower than calibrated
     # Drafting measured at 50 ms a token instead of the calibrated 3: it noticed and steps aside.
     assert max(c.value for c in sched.costs.draft_cost.values()) > 0.015
     assert sched.rounds.get("plain", 0) > 50
@@ -212,10 +213,10 @@ def test_the_rest_of_a_round_is_charged_by_its_size() -> None:
     is charged what rounds of that size measured, and an unmeasured size what the nearest smaller
     one measured, scaled by the number of positions."""
     sched = schedule(0.0)
-    sched.observe(sched.plan(0), 0, 0, TARGET[1], 0.0, other_s=0.004)
+    sched.observe(sched.plan(0), Round(0, 0, TARGET[1], other_s=0.004))
     assert sched.costs.other(1) == 0.004 and abs(sched.costs.other(3) - 0.012) < 1e-12
     plan = sched.plan(2)
-    sched.observe(plan, 2, 2, TARGET[3], 0.0, other_s=0.030)
+    sched.observe(plan, Round(2, 2, TARGET[3], other_s=0.030))
     assert sched.costs.other(3) == 0.030 and abs(sched.costs.other(4) - 0.040) < 1e-12
 
 
@@ -231,9 +232,9 @@ def test_a_poor_starting_guess_is_outweighed_at_once() -> None:
 def test_heuristic_schedule() -> None:
     h = HeuristicSchedule(SimpleNamespace(name="tli"), 2, K)
     plan = h.plan(10)
-    h.observe(plan, 2, 2, 0.03, 0.0)
+    h.observe(plan, Round(2, 2, 0.03))
     assert h.plan(10).m == 4
-    h.observe(h.plan(10), 4, 1, 0.03, 0.0)
+    h.observe(h.plan(10), Round(4, 1, 0.03))
     assert h.plan(10).m == 3 and h.plan(1).m == 1
 
 
@@ -359,15 +360,15 @@ def test_a_chain_extends_a_short_lookup_continuation_where_drafting_pays() -> No
 
     history = [1, 2, 1, 2]
     for draft_s, chained in ((0.003, True), (0.045, False)):
-        state = SimpleNamespace(catch_up_s=0.0, caught_up=0, behind=0, lagging=False, behind_after=lambda n: 0)
+        state = SimpleNamespace(behind=0, lagging=False, behind_after=lambda n: 0)
         slem = SimpleNamespace(name="slem", drafter=state, verifier=None)
         lookup = LookupProposer(history)
         chain = ChainProposer(lookup, slem, None, 8)
         sched = CostSchedule({"slem": slem, "lookup": lookup, "lookup+slem": chain}, K,
                              CostModel(TARGET, {"slem": draft_s, "lookup": 0.0}), greedy=True)
         for i in range(40):
-            sched.observe(Plan(slem, 3), 3, 3 if i % 10 else 2, TARGET[4], 3 * draft_s)
-            sched.observe(Plan(lookup, 2), 2, 2 if i % 10 else 1, TARGET[3], 0.0)
+            sched.observe(Plan(slem, 3), Round(3, 3 if i % 10 else 2, TARGET[4], 3 * draft_s))
+            sched.observe(Plan(lookup, 2), Round(2, 2 if i % 10 else 1, TARGET[3]))
         plan = sched.plan(K)
         if not chained:
             assert plan.proposer is lookup and plan.m == 2, plan
@@ -378,7 +379,7 @@ def test_a_chain_extends_a_short_lookup_continuation_where_drafting_pays() -> No
             acc.decay()
         expected["lookup"].update(2, 2)
         expected["slem"].update(plan.m - 2, 1)  # the lookup's two and one drafted token accepted
-        sched.observe(plan, plan.m, 3, TARGET[plan.m + 1], (plan.m - 2) * draft_s)
+        sched.observe(plan, Round(plan.m, 3, TARGET[plan.m + 1], (plan.m - 2) * draft_s))
         assert sched.acceptance == expected and sched.rounds[f"lookup+slem:{plan.m}"] == 1
         # A drafter lagging behind the text cannot take the lookup's candidates in: no chain.
         state.lagging = True

@@ -440,11 +440,11 @@ def test_default_lookahead_of_named_algorithms(pipelines, monkeypatch) -> None:
     steps: list[tuple[int, int, int, int]] = []  # (k before, proposed, accepted, k after) per drafting round
     observe = HeuristicSchedule.observe
 
-    def spy(self, plan, proposed, accepted, *args, **kwargs):
+    def spy(self, plan, r):
         before = self.k
-        observe(self, plan, proposed, accepted, *args, **kwargs)
-        if proposed:
-            steps.append((before, proposed, accepted, self.k))
+        observe(self, plan, r)
+        if r.proposed:
+            steps.append((before, r.proposed, r.accepted, self.k))
 
     monkeypatch.setattr(HeuristicSchedule, "observe", spy)
     cross, same = pipelines["gemma_qwen"], pipelines["llama_same"]

@@ -32,10 +32,15 @@ class Draft:
     candidates: target ids c_1..c_m; -1 stands for SLRS's "none" proposal (never accepted).
     q: [m, V_target] float64 proposal distribution of each candidate given everything before it, or
        None for exact-match verification (SLEM), where the target's own draws decide.
+    catch_up_s, caught_up: what the drafter's catching up cost this draft (its first forward beyond a
+       one-position step: the prompt, tokens committed during plain steps, a lookup's continuation),
+       and the positions that was for; paid once, so the cost schedule keeps it apart.
     """
 
     candidates: list[int]
     q: np.ndarray | None
+    catch_up_s: float = 0.0
+    caught_up: int = 0
 
 
 class Proposer(Protocol):
@@ -177,6 +182,10 @@ class DrafterState:
 
     def push(self, d: int) -> None:
         self.ids.append(int(d))
+
+    def draft(self, candidates: list[int], q: np.ndarray | None) -> Draft:
+        """The draft a proposer drafted from this state since `budget`, with what it caught up."""
+        return Draft(candidates, q, self.catch_up_s, self.caught_up)
 
     def take(self, text: bytes) -> bool:
         """Append drafter tokens spelling `text` as if it were committed after the synced text (a

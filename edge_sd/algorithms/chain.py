@@ -49,12 +49,10 @@ class ChainProposer:
         if len(head) < k and self.drafter is not None and self._continues(head):
             tail = self.inner.propose(k - len(head), committed + head, stop)
         cands = head + tail.candidates[: k - len(head)]
-        if self.exact:
-            return Draft(cands, None)
-        rows = self._points(head)
-        if tail.q is not None:
+        rows = None if self.exact else self._points(head)
+        if rows is not None and tail.q is not None:
             rows = np.concatenate([rows, tail.q[: len(cands) - len(head)]])
-        return Draft(cands, rows)
+        return Draft(cands, rows, tail.catch_up_s, tail.caught_up)
 
     def _continues(self, head: list[int]) -> bool:
         """Whether the drafter may draft after the head: with no head, yes; else where every head token

@@ -112,7 +112,7 @@ class RDKProposer:
             rows.append(psi)
             if t in self.eos or not self._continue_from(t) or not self.drafter.keep_drafting(logits):
                 break
-        return Draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, np.stack(rows) if rows else None)
 
     def _continue_from(self, t: int) -> bool:
         """Feed the drafter the candidate's bytes; False when it cannot spell them."""

@@ -82,4 +82,4 @@ class SLEMProposer:
             if not self.drafter.keep_drafting(logits):
                 break
         text = text[healed:]
-        return Draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)
+        return self.drafter.draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)

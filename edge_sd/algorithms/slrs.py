@@ -63,4 +63,4 @@ class SLRSProposer:
             rows.append(row)
             if t < 0 or t in self.eos:
                 break  # "none" is never accepted, and nothing follows EOS
-        return Draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, np.stack(rows) if rows else None)

@@ -83,7 +83,7 @@ class MappedProposer:
             self.drafter.push(d)
             if t in self.eos or not self.drafter.keep_drafting(logits):
                 break
-        return Draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, np.stack(rows) if rows else None)
 
 
 
