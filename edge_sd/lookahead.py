@@ -346,14 +346,16 @@ class CostSchedule:
             rates = {a: self._rates(a, k) for a in self._drafting}
             drafts = max(max(r) for r in rates.values()) > plain
             # The drafter's catching up is paid once, whatever follows: a draft starts only where the
-            # rest of the generation (budget + 1 tokens), drafted at the estimated rate (in greedy
-            # decoding on optimistic depths, as its draft length is chosen), gains it back, and a probe,
-            # which cannot know that, only where it costs no more than a plain step (or after
-            # PROBE_EVERY_GENERATIONS generations without a draft). At 48 new tokens on the 2-core CPU
-            # the drafter's prompt ate all that sampled drafts gained.
+            # rest of the generation (budget + 1 tokens), drafted at the estimated rate, gains it back,
+            # and a probe, which cannot know that, only where it costs no more than a plain step (or
+            # after PROBE_EVERY_GENERATIONS generations without a draft). At 48 new tokens on the 2-core
+            # CPU the drafter's prompt ate all that sampled drafts gained. The estimates as they are,
+            # not greedy decoding's optimistic depths: optimism explores draft lengths, and paying a
+            # prompt's catching up on a hope made greedy auto slower than prompt lookup alone where
+            # the lookup took most rounds anyway.
             owed = behind * self.costs.catch_up.value
             if drafts and owed:
-                best = max(max(self._rates(a, k, self.depth_optimism)) for a in self._drafting)
+                best = max(max(r) for r in rates.values())
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)
                 self.held_back += not drafts
             affordable = owed <= self.costs.target(1) or self.idle_generations >= PROBE_EVERY_GENERATIONS

@@ -384,3 +384,16 @@ def test_a_chain_extends_a_short_lookup_continuation_where_drafting_pays() -> No
         # A drafter lagging behind the text cannot take the lookup's candidates in: no chain.
         state.lagging = True
         assert sched.plan(K).proposer is not chain
+
+
+def test_greedy_pays_the_drafters_prompt_on_its_estimates_not_its_hopes() -> None:
+    """Greedy decoding chooses draft lengths on optimistic acceptance, but paying the drafter's prompt
+    (100 positions at 1 ms) is judged on the estimates as they are: with 12 tokens to go, drafts at
+    the prior acceptance gain 4.67 ms a token over plain steps (56 ms in all, less than the 100 ms
+    owed) where optimistic depths would promise about 13 ms a token: no draft. With 200 tokens to go
+    the same drafts gain it back."""
+    sched = schedule(0.006, greedy=True, catch_up=0.001)
+    sched.proposers["slem"].drafter.behind = 100
+    assert [sched.plan(11).m for _ in range(3)] == [0, 0, 0]
+    assert sched.summary()["held_back"] == 3
+    assert sched.plan(199).m > 0
