@@ -60,7 +60,7 @@ class CostModel:
 
     def round(self, m: int, draft_per_token: float) -> float:
         """Seconds of a round drafting m tokens at `draft_per_token` each (m = 0: a plain step)."""
-        return self.target(m + 1) + m * draft_per_token + self.other(m + 1)
+        return self.extended(m, m, draft_per_token, 0)
 
     def extended(self, m: int, drafted: int, draft_per_token: float, behind: int) -> float:
         """Seconds of a round proposing m candidates of which the drafter drafts the last `drafted`

@@ -215,11 +215,17 @@ class Acceptance:
 
     def tokens_by_length(self, k: int, optimism: float = 0.0) -> list[float]:
         """expected_tokens(m) for m = 0..k, in one pass."""
-        out, run = [1.0], 1.0
-        for a in self.rates(k, optimism):
-            run *= a
-            out.append(out[-1] + run)
-        return out
+        return tokens_by_length(self.rates(k, optimism))
+
+
+def tokens_by_length(rates: list[float]) -> list[float]:
+    """The tokens a round emits on average when it drafts m = 0..len(rates) candidates, each accepted
+    (given the ones before it were) at its rate: 1 + a_1 + a_1 a_2 + ..."""
+    out, run = [1.0], 1.0
+    for a in rates:
+        run *= a
+        out.append(out[-1] + run)
+    return out
 
 
 class CostSchedule:
@@ -290,8 +296,15 @@ class CostSchedule:
         k = min(self.k_max, budget)
         plain = 1.0 / self.costs.plain()
         algo, m, rate = self._plan_drafter(k, budget, plain, open_ended) if self._drafting else (None, 0, plain)
+        caps: dict[int, int] = {}  # id of a lookup proposer -> its candidates now (chains share the menu's)
+
+        def available(lookup: Proposer) -> int:
+            if id(lookup) not in caps:
+                caps[id(lookup)] = lookup.available(k) if k > 0 else 0  # type: ignore[attr-defined]
+            return caps[id(lookup)]
+
         for name in self._free:
-            cap = self.proposers[name].available(k) if k > 0 else 0  # type: ignore[attr-defined]
+            cap = available(self.proposers[name])
             if cap:
                 # optimistic, as a drafter's algorithm is chosen: a rejected lookup costs little, and
                 # its estimate must follow texts that start or stop repeating themselves
@@ -303,7 +316,7 @@ class CostSchedule:
         for name in self._chains:
             chain = self.proposers[name]
             assert isinstance(chain, ChainProposer) and self._state is not None
-            j = chain.available(k) if k > 1 and not self._state.lagging else 0
+            j = available(chain.lookup) if k > 1 and not self._state.lagging else 0
             if 0 < j < k:
                 hopes = self._chain_rates(chain, j, k, OPTIMISM)
                 if max(hopes) > rate:
@@ -323,14 +336,8 @@ class CostSchedule:
         rates += self.acceptance[chain.inner.name].rates(k - head, optimism)
         draft = self.costs.draft(chain.inner.name)
         behind = self._state.behind_after(head)
-        out, run, tokens = [], 1.0, 1.0
-        for i, a in enumerate(rates):
-            run *= a
-            tokens += run
-            if i >= head:
-                e = i + 1 - head
-                out.append(tokens / self.costs.extended(head + e, e, draft, behind))
-        return out
+        tokens = tokens_by_length(rates)
+        return [tokens[head + e] / self.costs.extended(head + e, e, draft, behind) for e in range(1, k - head + 1)]
 
     def _plan_drafter(self, k: int, budget: int, plain: float, open_ended: bool) -> tuple[str | None, int, float]:
         """The drafter's algorithm and draft length (None, 0: a plain step), with the rate it expects."""
