@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,10 +213,15 @@ def save(obj: EngineManifest | PairManifest, folder: Path) -> Path:
 def write_aside(path: Path, text: str) -> Path:
     """Write a folder's small text file aside and rename it over `path`: a reader never sees half a
     file, and a folder whose files are hard links to another's (a copied pair) gets its own file
-    instead of rewriting the other's."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    instead of rewriting the other's. The temporary name is the process's own, so that two processes
+    writing the same file at once each rename a whole one over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

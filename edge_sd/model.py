@@ -177,8 +177,8 @@ class Model:
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
-            # Loaded side by side: parsing a large tokenizer and building a session both spend seconds
-            # outside Python's lock.
+            # Loaded side by side: ONNX Runtime builds both sessions outside Python's lock while the
+            # tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(2) as pool:

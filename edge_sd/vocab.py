@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edge_sd.errors import ArtifactError
+from edge_sd.manifest import write_aside
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
@@ -27,6 +28,10 @@ WINDOW_TOKENS = 6
 # Vocab's tables as a loaded engine keeps them (Tables), and their layout's version.
 TABLES_FILE = "vocab_tables.npz"
 TABLES_FORMAT = 1
+# The tokenizer.json a loaded engine reads instead of its own (quick_source), and what it was made from.
+QUICK_FILE = "tokenizer.json"
+QUICK_KEY = "tokenizer_key.json"
+QUICK_FORMAT = 1
 
 
 def release_freed_memory() -> None:
@@ -41,6 +46,63 @@ def release_freed_memory() -> None:
     except (OSError, AttributeError, TypeError):  # no C library to ask (Windows), or not glibc
         return
     trim(0)
+
+
+def string_merges(tokenizer_json: dict) -> bool:
+    """Rewrite a BPE model's merges from ["a", "b"] pairs to "a b" strings, in place, where that is the
+    same list (no part empty or holding a space, which the string form splits on); whether it did."""
+    model = tokenizer_json.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return False
+    merges = model.get("merges")
+    if not isinstance(merges, list) or not merges:
+        return False
+    for m in merges:
+        if not (isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and p and " " not in p for p in m)):
+            return False
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    return True
+
+
+def quick_source(path: Path, cache: Path) -> Path:
+    """The file to read `path`'s tokenizer from: a copy in `cache` whose BPE merges are "a b" strings
+    where `path` has ["a", "b"] pairs (string_merges), else `path` itself.
+
+    `tokenizers` reads both forms into the same merges, but a pair goes through serde's untagged
+    buffering first: for a vocabulary of hundreds of thousands of merges the string form reads
+    markedly faster and with a fraction of the transient heap (figures in benchmarks/results/
+    startup.md), and that transient is what a loading process peaks on. The copy is made on the
+    first load, and again whenever the file's name, size or modification time change; a folder that
+    cannot be written to is read as it is."""
+    stat = path.stat()
+    key = {"format": QUICK_FORMAT, "tokenizer": [path.name, stat.st_size, stat.st_mtime_ns]}
+    copy, marker = cache / QUICK_FILE, cache / QUICK_KEY
+    try:
+        saved = json.loads(marker.read_text(encoding="utf-8"))
+        if saved["key"] == key:
+            return copy if saved["copy"] and copy.is_file() else path
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return path  # reading it as it is reports what is wrong
+    made = isinstance(tokenizer_json, dict) and string_merges(tokenizer_json)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if made:
+            write_aside(copy, json.dumps(tokenizer_json, separators=(",", ":")))
+        write_aside(marker, json.dumps({"key": key, "copy": made}) + "\n")
+    except OSError:
+        return path
+    return copy if made else path
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -242,10 +304,15 @@ class Vocab:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"tokenizer file {path} not found")
+        source = path if cache is None else quick_source(path, cache)
         try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
+            tok = _read_tokenizer(source)
+        except ArtifactError:
+            if source == path:
+                raise
+            assert cache is not None
+            (cache / QUICK_KEY).unlink(missing_ok=True)  # a damaged copy: made again on the next load
+            tok = _read_tokenizer(path)
         release_freed_memory()
         if cache is None:
             return cls(tok, None, eos_ids)
