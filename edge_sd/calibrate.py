@@ -73,9 +73,10 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
     model = DiscoModel([float(v) for v in w], b, [float(v) for v in mean], [float(v) for v in scale],
                        threshold=0.0, k=k, trained_on=len(y), temperature=temperature)
     scored = [([model.prob(f) for f in feats], labels) for feats, labels in rounds]
-    costs = pipe.costs(k)
+    # Measured anew, not read from the folder: the costs a calibration stored on a busy machine would
+    # otherwise stay. Seeded generations plan from these instead of live timings (Model.fixed_costs).
+    costs = pipe.measure_costs(k)
     target_cost = costs.target
-    # Seeded generations plan from these instead of live timings (Model.fixed_costs).
     write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
     step = statistics.median(draft_s)
     model.threshold = best_threshold(scored, target_cost, step, k)

@@ -219,7 +219,7 @@ def generate(
                                   "lookup's candidates, then SLEM's)."),
     draft_max: Optional[int] = typer.Option(
         None, "--draft-max", help="Drafted tokens per target forward \\[2 greedy, 1 sampling]; with the "
-        "cost schedule (auto) the longest draft \\[6]."),
+        "cost schedule (auto) the longest draft \\[6, a prompt lookup's 16]."),
     schedule: Optional[str] = typer.Option(
         None, "--lookahead-schedule", help="static | heuristic | confidence | cost | disco \\[cost with "
         "-a auto, which also picks the algorithm each round, with disco on top once calibrated; static "
@@ -285,7 +285,8 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same conversation."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a",
                                   help="auto|plain|slem|tli|slrs|rdk|lookup|standard|lookup+X."),
-    draft_max: Optional[int] = typer.Option(None, "--draft-max", help="The longest draft \\[6 with auto]."),
+    draft_max: Optional[int] = typer.Option(None, "--draft-max",
+                                            help="The longest draft \\[6 with auto, a prompt lookup's 16]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:

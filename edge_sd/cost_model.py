@@ -36,7 +36,9 @@ class CostModel:
         its first. learn: follow the rounds' timings (else the costs given stay as they are: what a
         seeded generation needs to be reproducible)."""
         self.learn = learn
+        self.target_prior = dict(target)
         self.target_cost = {s: Estimate(c) for s, c in target.items()}
+        self.target_seen: set[int] = set()  # sizes measured in rounds (with a starting cost above 0)
         self.draft_cost = {a: Estimate(c) for a, c in draft.items()}
         self.catch_up = Estimate(catch_up)
         # The rest of a round over s positions (verification, warping p, the text, syncing the
@@ -45,10 +47,30 @@ class CostModel:
         self.other_cost: dict[int, Estimate] = {}
 
     def target(self, s: int) -> float:
-        return self.target_cost[s].value
+        """A forward over s positions: its own estimate once measured, else its starting cost scaled as
+        the nearest measured size's has moved from its own. Starting costs measured on a busy machine
+        (or another one) can be off by a factor; plain steps soon show the factor, and without it
+        every draft would look as dear as it did then and never run to show otherwise."""
+        if s in self.target_seen:
+            return self.target_cost[s].value
+        return self.target_cost[s].value * self._drift(s)
+
+    def _drift(self, s: int) -> float:
+        """How far the forward measured nearest to s positions has moved from its starting cost (1.0
+        before any has been measured)."""
+        if not self.target_seen:
+            return 1.0
+        near = min(self.target_seen, key=lambda x: (abs(x - s), x))
+        return self.target_cost[near].value / self.target_prior[near]
 
     def draft(self, algo: str) -> float:
-        return self.draft_cost[algo].value
+        """Seconds per drafted token: measured, else the starting cost moved as the target's step has
+        (the same machine, busy or not, runs both)."""
+        c = self.draft_cost[algo]
+        return c.value if c.n > 1 else c.value * self._drift(1)
+
+    def catch_up_cost(self) -> float:
+        return self.catch_up.value if self.catch_up.n > 1 else self.catch_up.value * self._drift(1)
 
     def other(self, s: int) -> float:
         """The rest of a round over s positions: measured, else scaled from the nearest measured size
@@ -65,7 +87,7 @@ class CostModel:
     def extended(self, m: int, drafted: int, draft_per_token: float, behind: int) -> float:
         """Seconds of a round proposing m candidates of which the drafter drafts the last `drafted`
         (a chain: the lookup's first), its first forward feeding `behind` positions beyond one."""
-        return self.target(m + 1) + drafted * draft_per_token + behind * self.catch_up.value + self.other(m + 1)
+        return self.target(m + 1) + drafted * draft_per_token + behind * self.catch_up_cost() + self.other(m + 1)
 
     def plain(self) -> float:
         return self.round(0, 0.0)
@@ -80,6 +102,8 @@ class CostModel:
             return
         if s in self.target_cost:
             self.target_cost[s].add(target_s)
+            if self.target_prior[s] > 0:
+                self.target_seen.add(s)
         self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
         if algo is not None and proposed:
             self.draft_cost[algo].add(max(0.0, draft_s - caught_up_s) / proposed)
@@ -88,8 +112,8 @@ class CostModel:
 
     def summary(self) -> dict:
         return {
-            "target_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.target_cost.items())},
-            "draft_ms_per_token": {a: round(1e3 * c.value, 2) for a, c in self.draft_cost.items()},
+            "target_ms": {s: round(1e3 * self.target(s), 2) for s in sorted(self.target_cost)},
+            "draft_ms_per_token": {a: round(1e3 * self.draft(a), 2) for a in self.draft_cost},
             "other_ms": {s: round(1e3 * c.value, 2) for s, c in sorted(self.other_cost.items())},
-            "catch_up_ms_per_position": round(1e3 * self.catch_up.value, 3),
+            "catch_up_ms_per_position": round(1e3 * self.catch_up_cost(), 3),
         }

@@ -55,6 +55,10 @@ from edge_sd.text_stream import TextStream
 DEFAULT_LOOKAHEAD = {"greedy": 2, "sample": 1}
 # The cost-aware schedule (auto) chooses each round's draft length in 0..this (or lookahead).
 DEFAULT_MAX_LOOKAHEAD = 6
+# ... and a prompt lookup draft's in 0..this: it costs no model forward to make, a text quoting its
+# source is accepted for dozens of tokens at a time, and a target forward over many positions costs
+# little more than over one (the weights are read once).
+DEFAULT_MAX_LOOKUP = 16
 
 
 class Generator:
@@ -348,7 +352,9 @@ class Generator:
             return DiscoSchedule(StaticSchedule(proposer, k), disco, names), k
         if name in ("cost", "disco"):
             k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_MAX_LOOKAHEAD
-            cost = self._cost_model(proposers, k, greedy)
+            free = any(p.drafter is None for p in proposers.values())
+            longest = cfg.lookahead if cfg.lookahead is not None else max(k, DEFAULT_MAX_LOOKUP) if free else k
+            cost = self._cost_model(proposers, k, longest, greedy)
             # A draft's catching up is told apart from its drafting against a one-position step; until
             # the drafter has run one (probes only catch up), the step measured at load stands in.
             if state is not None and state.step_s is None:
@@ -358,10 +364,10 @@ class Generator:
             # by name, it runs either way), else in greedy decoding the confidence cut.
             if disco is not None and state is not None and (
                     name == "disco" or (cfg.schedule is None and disco.greedy == greedy)):
-                return DiscoSchedule(cost, disco, names), k
+                return DiscoSchedule(cost, disco, names), longest
             if cfg.schedule is None and greedy and state is not None:
-                return ConfidenceSchedule(cost), k
-            return cost, k
+                return ConfidenceSchedule(cost), longest
+            return cost, longest
         k = cfg.lookahead if cfg.lookahead is not None else DEFAULT_LOOKAHEAD["greedy" if greedy else "sample"]
         if len(proposers) > 1:
             raise UsageError(f"the {name} schedule drafts with one algorithm: name it with --algorithm")
@@ -372,7 +378,7 @@ class Generator:
             return ConfidenceSchedule(StaticSchedule(proposer, k)), k
         return StaticSchedule(proposer, k), k
 
-    def _cost_model(self, proposers: dict[str, Proposer], k: int, greedy: bool) -> CostSchedule:
+    def _cost_model(self, proposers: dict[str, Proposer], k: int, longest: int, greedy: bool) -> CostSchedule:
         """The cost schedule of this reply. Sampling with a seed: this generator's own, planning from
         fixed costs (Model.fixed_costs) and learning acceptance from its own rounds only, so that the
         same seed gives the same output every time (which draws are made depends on the plan). Else
@@ -381,22 +387,29 @@ class Generator:
         model, cfg = self.model, self.config
         if cfg.seed is not None and not greedy:
             if self._own_schedule is None:
-                self._own_schedule = _new_cost_schedule(proposers, k, model.fixed_costs(k), greedy, learn_costs=False)
+                self._own_schedule = _new_cost_schedule(proposers, k, longest, model.fixed_costs(longest), greedy,
+                                                        learn_costs=False)
             else:
                 self._own_schedule.rebind(proposers)
             return self._own_schedule
-        key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, tuple(proposers))
+        key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, longest, tuple(proposers))
         schedule = model.borrow_schedule(key)
         if schedule is None:
-            schedule = _new_cost_schedule(proposers, k, model.costs(k), greedy, learn_costs=True)
+            schedule = _new_cost_schedule(proposers, k, longest, model.costs(longest), greedy, learn_costs=True)
         else:
             schedule.rebind(proposers)
         self._schedule_key = key
         return schedule
 
 
-def _new_cost_schedule(proposers: dict[str, Proposer], k: int, costs: Costs, greedy: bool,
+def _new_cost_schedule(proposers: dict[str, Proposer], k: int, longest: int, costs: Costs, greedy: bool,
                        learn_costs: bool) -> CostSchedule:
-    """A cost schedule starting from the engines' costs, every algorithm at the drafter's step cost."""
-    drafts = {a: costs.step for a in estimated(proposers)}
-    return CostSchedule(proposers, k, CostModel(costs.target, drafts, costs.position, learn=learn_costs), greedy=greedy)
+    """A cost schedule starting from the engines' costs (target forwards up to `longest` + 1
+    positions), every drafting algorithm at the drafter's step cost, prompt lookup at none (at a
+    drafter step a token, a lookup draft would look dearer than a plain step wherever the drafter's
+    step costs more than the target's extra positions, and never run to show otherwise)."""
+    free = {p.lookup.name if isinstance(p, ChainProposer) else name
+            for name, p in proposers.items() if isinstance(p, ChainProposer) or p.drafter is None}
+    drafts = {a: 0.0 if a in free else costs.step for a in estimated(proposers)}
+    return CostSchedule(proposers, k, CostModel(costs.target, drafts, costs.position, learn=learn_costs), greedy=greedy,
+                        lookup_max=longest)

@@ -168,20 +168,22 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
-    def rates(self, k: int, optimism: float = 0.0) -> list[float]:
+    def rates(self, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
         """Estimated P(candidate i accepted | candidates before it accepted) for i = 0..k-1.
 
         Each position's counts are smoothed towards the position before it (the first towards 1/2),
         so that a depth seldom or never drafted takes the estimate of the ones before it instead of
         the prior, and the schedule can find out that longer drafts pay. optimism: add that many
-        standard errors of the estimate (its counts' binomial error).
+        standard errors of the estimate (its counts' binomial error), to the first `explored`
+        positions only where given.
         """
         out, rate, n = [], 0.5, 2 * PRIOR
         for i in range(k):
             if i < len(self.tried):
                 n = self.tried[i] + 2 * PRIOR
                 rate = (self.accepted[i] + 2 * PRIOR * rate) / n
-            out.append(min(1.0, rate + optimism * (rate * (1 - rate) / n) ** 0.5))
+            hope = optimism if explored is None or i < explored else 0.0
+            out.append(min(1.0, rate + hope * (rate * (1 - rate) / n) ** 0.5))
         return out
 
     def rate(self, i: int, optimism: float = 0.0) -> float:
@@ -213,9 +215,9 @@ class Acceptance:
         """1 + a_1 + a_1 a_2 + ... + a_1...a_m: the tokens a round with m drafts emits on average."""
         return self.tokens_by_length(m, optimism)[m]
 
-    def tokens_by_length(self, k: int, optimism: float = 0.0) -> list[float]:
+    def tokens_by_length(self, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
         """expected_tokens(m) for m = 0..k, in one pass."""
-        return tokens_by_length(self.rates(k, optimism))
+        return tokens_by_length(self.rates(k, optimism, explored))
 
 
 def tokens_by_length(rates: list[float]) -> list[float]:
@@ -244,10 +246,14 @@ class CostSchedule:
 
     name = "cost"
 
-    def __init__(self, proposers: dict[str, Proposer], k_max: int, costs: CostModel, greedy: bool = False):
+    def __init__(self, proposers: dict[str, Proposer], k_max: int, costs: CostModel, greedy: bool = False,
+                 lookup_max: int | None = None):
         """costs: what rounds cost (with a fixed CostModel the plan depends on the rounds' acceptance
-        alone: what a seeded generation needs to be reproducible)."""
+        alone: what a seeded generation needs to be reproducible); its target costs must cover forwards
+        of lookup_max + 1 positions. k_max: the longest draft of a proposer that runs the drafter (a
+        chain's included); lookup_max: of one that needs no model (prompt lookup), k_max by default."""
         self.k_max = k_max
+        self.lookup_max = max(k_max, lookup_max or k_max)
         self.costs = costs
         self.depth_optimism = OPTIMISM if greedy else 0.0
         self.acceptance = {name: Acceptance() for name in estimated(proposers)}
@@ -275,9 +281,10 @@ class CostSchedule:
         self.rounds = {}
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
 
-    def _rates(self, algo: str, k: int, optimism: float = 0.0) -> list[float]:
-        """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1])."""
-        tokens = self.acceptance[algo].tokens_by_length(k, optimism)
+    def _rates(self, algo: str, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
+        """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1]),
+        optimistic about the first `explored` candidates where given (`Acceptance.rates`)."""
+        tokens = self.acceptance[algo].tokens_by_length(k, optimism, explored)
         draft = self.costs.draft(algo)
         return [tokens[m] / self.costs.round(m, draft) for m in range(1, k + 1)]
 
@@ -293,24 +300,27 @@ class CostSchedule:
         lookup) then takes the round where its continuation, available now, is expected to be faster
         than what was planned; then a chain (lookup+X), where the continuation is shorter than k and
         extending it with the drafter is expected to be faster still."""
-        k = min(self.k_max, budget)
+        k, free_k = min(self.k_max, budget), min(self.lookup_max, budget)
         plain = 1.0 / self.costs.plain()
         algo, m, rate = self._plan_drafter(k, budget, plain, open_ended) if self._drafting else (None, 0, plain)
         caps: dict[int, int] = {}  # id of a lookup proposer -> its candidates now (chains share the menu's)
 
         def available(lookup: Proposer) -> int:
             if id(lookup) not in caps:
-                caps[id(lookup)] = lookup.available(k) if k > 0 else 0  # type: ignore[attr-defined]
+                caps[id(lookup)] = lookup.available(free_k) if free_k > 0 else 0  # type: ignore[attr-defined]
             return caps[id(lookup)]
 
         for name in self._free:
             cap = available(self.proposers[name])
             if cap:
                 # optimistic, as a drafter's algorithm is chosen: a rejected lookup costs little, and
-                # its estimate must follow texts that start or stop repeating themselves
-                hopes = self._rates(name, cap, OPTIMISM)
+                # its estimate must follow texts that start or stop repeating themselves. Beyond the
+                # drafter's longest draft (k) only on its estimates as they are: there a verification
+                # forward rejected early costs several plain steps, and a text worth drafting that
+                # far shows it in the depths up to k.
+                hopes = self._rates(name, cap, OPTIMISM, explored=k)
                 if max(hopes) > rate:
-                    depths = self._rates(name, cap, self.depth_optimism)
+                    depths = self._rates(name, cap, self.depth_optimism, explored=k)
                     algo, m, rate = name, 1 + int(np.argmax(depths)), max(hopes)
         head = 0
         for name in self._chains:
@@ -360,7 +370,7 @@ class CostSchedule:
             # not greedy decoding's optimistic depths: optimism explores draft lengths, and paying a
             # prompt's catching up on a hope made greedy auto slower than prompt lookup alone where
             # the lookup took most rounds anyway.
-            owed = behind * self.costs.catch_up.value
+            owed = behind * self.costs.catch_up_cost()
             if drafts and owed:
                 best = max(max(r) for r in rates.values())
                 drafts = owed < (budget + 1) * (1.0 / plain - 1.0 / best)

@@ -258,6 +258,14 @@ class Model:
                 self._costs = self._stored_costs() or self._measure(k_max)
         return self._costs.extended(k_max)
 
+    def measure_costs(self, k_max: int) -> Costs:
+        """Target forwards over s = 1..k_max+1 positions and the drafter's costs, measured now (what
+        `edge-sd calibrate` stores), and used by this model's later generations."""
+        costs = self._measure(k_max)
+        with self._lock:
+            self._costs = costs
+        return costs
+
     def _stored_costs(self) -> Costs | None:
         path = self.folder / COSTS_FILE if self.folder is not None else None
         if path is None or not path.is_file():

@@ -280,6 +280,9 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
 
     folder = tmp_path / "pair"
     shutil.copytree(tiny_root / "pairs" / "gemma_qwen", folder)
+    # Costs an earlier calibration stored (here: absurd ones) are measured again, not kept.
+    stale = {"target": {str(s): 10.0 for s in range(1, 8)}, "step": 10.0, "position": 10.0}
+    (folder / "costs.json").write_text(json.dumps(stale))
     pipe = Pipeline.from_folder(folder, provider="cpu", threads=2)
     prompts = ["The cat", "def add(a, b):", "A small robot reads", "for i in range(10):\n"]
     found = calibrate(pipe, folder, prompts, ("slem", "tli", "slrs"), 6, 24)
@@ -291,7 +294,8 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     from edge_sd.model import Costs
 
     stored = json.loads((folder / "costs.json").read_text())
-    assert pipe.fixed_costs(6) == Costs.from_json(stored).extended(6) and stored["step"] > 0
+    assert pipe.fixed_costs(6) == Costs.from_json(stored).extended(6) and 0 < stored["step"] < 1
+    assert max(stored["target"].values()) < 1
     for prompt in ["The old river sees the", "class Point:\n", "Every engineer "]:
         plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
         for cfg in (GenerationConfig(max_new_tokens=24, algorithm="tli", schedule="disco"),
@@ -337,7 +341,8 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
     plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, algorithm="ar")).token_ids
     first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
-    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, ("slem", "lookup", "lookup+slem"))][0]  # greedy, the longest draft 6
+    # greedy; the longest draft 6, a lookup's 16
+    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, 16, ("slem", "lookup", "lookup+slem"))][0]
     kept = sched.costs.catch_up.value
     try:
         sched.costs.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that
@@ -397,3 +402,70 @@ def test_greedy_pays_the_drafters_prompt_on_its_estimates_not_its_hopes() -> Non
     assert [sched.plan(11).m for _ in range(3)] == [0, 0, 0]
     assert sched.summary()["held_back"] == 3
     assert sched.plan(199).m > 0
+
+
+def test_a_lookup_continuation_runs_past_the_drafters_longest_draft() -> None:
+    """A text repeating 16 tokens: where lookup_max allows, the lookup proposes all of them (its
+    continuation costs no drafter forward, and every candidate has been accepted), past K, the longest
+    draft of the drafter, which stays capped at K; without lookup_max, and within a short budget, the
+    round stops at K and at the budget."""
+    from edge_sd.algorithms import LookupProposer
+    from edge_sd.lookahead import Plan
+
+    longest = 16
+    target = {s: 0.030 + 0.002 * (s - 1) for s in range(1, longest + 2)}
+    history = list(range(1, 21)) + [1, 2, 3, 4]  # "1 2 3 4" was followed by 5..20
+    for lookup_max, budget, expected in ((longest, 100, 16), (None, 100, K), (longest, 9, 9)):
+        state = SimpleNamespace(behind=0, lagging=False)
+        slem = SimpleNamespace(name="slem", drafter=state, verifier=None)
+        lookup = LookupProposer(history)
+        sched = CostSchedule({"slem": slem, "lookup": lookup}, K, CostModel(target, {"slem": 0.001, "lookup": 0.0}),
+                             greedy=True, lookup_max=lookup_max)
+        for _ in range(30):
+            sched.observe(Plan(lookup, K), Round(K, K, target[K + 1]))
+            sched.observe(Plan(slem, K), Round(K, K, target[K + 1], K * 0.001))
+        assert lookup.available(longest) == 16
+        plan = sched.plan(budget)
+        assert plan.proposer is lookup and plan.m == expected, (lookup_max, budget, plan)
+        # The drafter's drafts stay within K whatever lookup_max.
+        drafter_only = CostSchedule({"slem": slem}, K, CostModel(target, {"slem": 0.001}), greedy=True,
+                                    lookup_max=lookup_max)
+        for _ in range(30):
+            drafter_only.observe(Plan(slem, K), Round(K, K, target[K + 1], K * 0.001))
+        assert drafter_only.plan(budget).m == min(K, budget)
+
+
+def test_starting_costs_from_a_busy_machine_move_with_the_measured_steps() -> None:
+    """Costs stored while the machine was busy: a step at 36 ms and 9.5 ms more per position, where
+    the machine now steps in 17 ms. Once plain steps have shown the factor, sizes not yet run (the
+    drafter's token, its catching up) are estimated at the stored costs times that factor, and a text
+    repeating itself is drafted by prompt lookup; at the stored costs as they were, no draft would
+    ever look as fast as a step, run, and show otherwise. A size measured keeps its own estimate."""
+    from edge_sd.algorithms import LookupProposer
+    from edge_sd.lookahead import Plan
+
+    stored = {s: 0.036 + 0.0095 * (s - 1) for s in range(1, K + 2)}
+    model = CostModel(stored, {"lookup": 0.0, "slem": 0.024}, 0.005)
+    sched = CostSchedule({"lookup": LookupProposer(list(range(1, 9)) + [1, 2, 3])}, K, model, greedy=True)
+    for _ in range(10):
+        sched.observe(Plan(None, 0), Round(0, 0, 0.017))
+    drift = model.target(1) / stored[1]
+    assert 0.5 < drift < 0.6
+    assert abs(model.target(3) - stored[3] * drift) < 1e-12
+    assert abs(model.draft("slem") - 0.024 * drift) < 1e-12 and abs(model.catch_up_cost() - 0.005 * drift) < 1e-12
+    plan = sched.plan(30)
+    assert plan.proposer is not None and plan.proposer.name == "lookup" and plan.m > 0
+    model.observe(3, 0.020, 0.0)
+    assert model.target(3) == (stored[3] + 0.020) / 2  # its own measurements from here
+
+
+def test_auto_starts_prompt_lookup_at_no_drafting_cost() -> None:
+    """A lookup draft runs no model: its cost a token starts at nothing, the drafter's at its step."""
+    from edge_sd.algorithms import LookupProposer
+    from edge_sd.generator import _new_cost_schedule
+    from edge_sd.model import Costs
+
+    slem = SimpleNamespace(name="slem", drafter=SimpleNamespace(behind=0, lagging=False))
+    costs = Costs({s: 0.02 + 0.001 * s for s in range(1, 18)}, 0.012, 0.002)
+    sched = _new_cost_schedule({"slem": slem, "lookup": LookupProposer([1, 2, 3])}, K, 16, costs, True, True)
+    assert sched.costs.draft("lookup") == 0.0 and sched.costs.draft("slem") == 0.012

@@ -420,11 +420,11 @@ def test_auto_is_lossless_and_says_what_it_did(pipelines, references, pair: str)
         assert_same_or_near_tie(r.token_ids, plain, gaps, f"{pair}/auto/{prompt!r}", is_exact(pipe))
         assert_text_is_the_ids(pipe, r)
         s = r.stats
-        assert (s.algorithm, s.lookahead) == ("auto", 6)
+        assert (s.algorithm, s.lookahead) == ("auto", 16)  # a prompt lookup's longest draft; the drafter's 6
         rounds = s.schedule["rounds"]
         assert sum(rounds.values()) == s.target_forwards == sum(s.rounds_by_drafts.values())
         assert {key.split(":")[0] for key in rounds} <= algos | {f"lookup+{a}" for a in algos - {"lookup"}} | {"plain"}
-        assert set(s.schedule["target_ms"]) == set(range(1, 8)) and set(s.schedule["draft_ms_per_token"]) == algos
+        assert set(s.schedule["target_ms"]) == set(range(1, 18)) and set(s.schedule["draft_ms_per_token"]) == algos
 
 
 def test_auto_sampling_matches_plain_distribution(pipelines) -> None:

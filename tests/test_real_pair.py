@@ -161,4 +161,4 @@ def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) 
     engine = pipe.target.session.engine()
     ids = pipe.target.prompt_ids("There are three reasons why cities should plant more trees. The first", False)
     ids = ids + [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=80 - len(ids))]
-    assert across_split(engine, ids, range(56, 76)) == 0.0
+    assert across_split(engine, ids, range(56, 76)) == 0.0  # forwards of 3, 5 and 17 positions

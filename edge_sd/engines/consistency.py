@@ -22,6 +22,9 @@ PROMPT_LEN = 12
 STEPS = 4
 N_PROMPTS = 3
 SPLIT_IDS = 80  # ids for across_split: past the first split (64) and the forwards that end beyond it
+# The forwards across_split compares with the steps: short drafts, and the longest verification auto
+# runs (a prompt lookup draft of generator.DEFAULT_MAX_LOOKUP tokens and the position after it).
+SPLIT_SIZES = (3, 5, 17)
 
 
 def rel(a: np.ndarray, b: np.ndarray, scale: float) -> float:
@@ -57,7 +60,7 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
     worst["small"] = max(worst["small"], rel(pairs, multi, scale))
 
 
-def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tuple[int, ...] = (3, 5)) -> float:
+def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tuple[int, ...] = SPLIT_SIZES) -> float:
     """Forwards of `sizes` positions ending at each T of `ends` (default: on either side of the
     engine's first split, SPLIT_AT in engines/ort.py) against the two-position step ending at T, as
     the loop meets them: the most they differ, relative to the logits' scale. ids: at least
@@ -75,6 +78,8 @@ def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tupl
         step = engine.forward(np.asarray(ids[t - 1 : t]))[-1].copy()
         scale = max(scale, float(np.abs(step).max()))
         for s in sizes:
+            if s >= t:  # a forward from the first position is a prefill, not a verification
+                continue
             engine.truncate(t - s)
             worst = max(worst, rel(engine.forward(np.asarray(ids[t - s : t]))[-1], step, scale))
             engine.truncate(t - s)  # the steps again: the cache as plain decoding writes it
