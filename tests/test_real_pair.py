@@ -154,11 +154,13 @@ def test_chain_greedy_equals_plain(pipe, references, monkeypatch) -> None:
 
 
 def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) -> None:
-    """On an AVX-512 VNNI Xeon, the default target's forwards spanning position 64 computed it otherwise
-    than plain decoding's steps, and a greedy output changed; the engine splits them (test_split.py)."""
+    """On an AVX-512 VNNI Xeon and an AVX-512 EPYC, the default target's forwards spanning position 64
+    (on the EPYC 192 too) computed their positions otherwise than plain decoding's steps, and greedy
+    outputs changed; the engine runs them as the steps meet those positions (test_split.py)."""
     from edge_sd.engines.consistency import across_split
 
     engine = pipe.target.session.engine()
     ids = pipe.target.prompt_ids("There are three reasons why cities should plant more trees. The first", False)
-    ids = ids + [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=80 - len(ids))]
-    assert across_split(engine, ids, range(56, 76)) == 0.0  # forwards of 3, 5 and 17 positions
+    ids = ids + [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=210 - len(ids))]
+    for ends in (range(56, 76), range(184, 204)):  # every row of forwards of 3, 5 and 17 positions
+        assert across_split(engine, ids, ends) == 0.0, ends

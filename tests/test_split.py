@@ -1,11 +1,11 @@
 """Forwards that cross a multiple of SPLIT_AT positions compute what plain decoding's steps compute.
 
 Plain decoding steps two positions at a time (`min_step_positions` 2); a verification forward covers
-several. On some CPUs a forward that spans position 64 computes the positions before it otherwise than
-the steps do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as two, split as the steps
-split it. Checked here as the loop would meet it: after plain steps to each length T, a forward of the
-last S positions (fed again) gives the last position the logits the step gave it, and the cache then
-holds what the steps wrote (engines/consistency.py, across_split, which export validation runs too).
+several. On some CPUs a forward that spans position 64 computes its positions otherwise than the steps
+do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as the steps meet it. Checked here as
+the loop would meet it: after plain steps to each length T, a forward of the last S positions (fed
+again) gives every one of its positions the logits the steps gave it (engines/consistency.py,
+across_split, which export validation runs too).
 """
 
 from __future__ import annotations
@@ -35,13 +35,44 @@ def test_a_forward_across_a_split_runs_as_plain_steps_meet_it(gguf_root: Path) -
     engine.truncate(63)
     second = engine.forward(np.asarray(ids[63:67]), last=3)
     np.testing.assert_array_equal(logits, np.concatenate([first, second]))
-    # A forward that starts at 63, or ends at 64, is not split.
-    engine.truncate(63)
-    before = engine.forward_count
-    engine.forward(np.asarray(ids[63:67]))
+    # A forward that ends at 64 is not split; one that starts at 63 is (its row 63 as plain
+    # decoding's step ending there gave it); one that starts at 64 feeds 63 again, as the steps do.
+    fed = record_fed(engine)
     engine.truncate(60)
     engine.forward(np.asarray(ids[60:64]))
-    assert engine.forward_count - before == 2
+    assert fed == [ids[60:64]]
+    fed.clear()
+    engine.truncate(63)
+    rows = engine.forward(np.asarray(ids[63:67]))
+    assert fed == [ids[62:64], ids[63:67]] and engine.n_cached == 67
+    np.testing.assert_array_equal(rows, np.concatenate([first[1:], second]))
+    fed.clear()
+    engine.truncate(64)
+    assert engine.forward(np.asarray(ids[64:67])).shape[0] == 3
+    assert fed == [ids[63:67]] and engine.cached_ids.tolist() == ids[:67]
+    # Away from a multiple of 64, a forward of two or more positions runs as it is.
+    fed.clear()
+    engine.truncate(40)
+    engine.forward(np.asarray(ids[40:43]))
+    assert fed == [ids[40:43]]
+
+
+def record_fed(engine: OrtEngine) -> list[list[int]]:
+    """The input ids of each ONNX Runtime run of the engine, from now on."""
+    fed: list[list[int]] = []
+    io = engine._io
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(io, name)
+
+        def bind_cpu_input(self, name, value):
+            if name == "input_ids":
+                fed.append(value.reshape(-1).tolist())
+            io.bind_cpu_input(name, value)
+
+    engine._io = Recording()
+    return fed
 
 
 def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path) -> None:
@@ -63,11 +94,20 @@ def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Pat
     assert engine.n_cached == 0
     forward = OrtEngine.forward
 
-    def skewed(self, fed, last=None):  # a kernel that rounds otherwise for 3 positions and more
-        out = forward(self, fed, last)
+    def skewed(self, fed, last=None, split=True):  # a kernel that rounds otherwise for 3 positions and more
+        out = forward(self, fed, last, split)
         return out + 1e-3 if len(np.asarray(fed).reshape(-1)) >= 3 else out
 
     monkeypatch.setattr(OrtEngine, "forward", skewed)
+    assert consistency.across_split(engine, ids) > 0.0
+
+    def first_row(self, fed, last=None, split=True):  # ... only in the first row: a verification reads it
+        out = forward(self, fed, last, split).copy()
+        if len(np.asarray(fed).reshape(-1)) >= 3 and len(out) >= 3:
+            out[0] += 1e-3
+        return out
+
+    monkeypatch.setattr(OrtEngine, "forward", first_row)
     assert consistency.across_split(engine, ids) > 0.0
 
 

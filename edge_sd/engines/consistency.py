@@ -62,31 +62,43 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
 
 def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tuple[int, ...] = SPLIT_SIZES) -> float:
     """Forwards of `sizes` positions ending at each T of `ends` (default: on either side of the
-    engine's first split, SPLIT_AT in engines/ort.py) against the two-position step ending at T, as
-    the loop meets them: the most they differ, relative to the logits' scale. ids: at least
-    max(ends) of them. An engine not stepping two positions yet is set to (with its head over both);
-    it is left empty."""
+    engine's first split, SPLIT_AT in engines/ort.py) against the two-position steps of plain
+    decoding, every row of each: the most they differ, relative to the logits' scale. A verification
+    reads every row of its forward, the first (the last committed token's) included, so a forward
+    that starts just below a split and computes its first row otherwise than the step that wrote it
+    changes an output. ids: at least max(ends) of them. An engine not stepping two positions yet is
+    set to (with its head over both); it is left empty."""
     from edge_sd.engines.ort import SPLIT_AT
 
     if engine.min_step < 2:
         engine.min_step = engine.head_rows = 2
     ends = ends or range(SPLIT_AT - 4, SPLIT_AT + 8)
+    first = max(1, ends.start - max(sizes))  # the first position a forward below starts at
     engine.reset()
-    engine.forward(np.asarray(ids[: ends.start - 1]))
-    worst, scale = 0.0, 1.0
+    engine.forward(np.asarray(ids[:first]))
+    # The steps' logits of every position a forward below computes (position p: feeding ids[p]).
+    stepped = {p: engine.forward(np.asarray(ids[p : p + 1]))[-1].copy() for p in range(first, ends.stop - 1)}
+    scale = max(1.0, max(float(np.abs(v).max()) for v in stepped.values()))
+    worst = 0.0
     for t in ends:
-        step = engine.forward(np.asarray(ids[t - 1 : t]))[-1].copy()
-        scale = max(scale, float(np.abs(step).max()))
         for s in sizes:
             if s >= t:  # a forward from the first position is a prefill, not a verification
                 continue
+            _steps_to(engine, ids, t - s)  # the cache as plain decoding's steps write it
+            rows = engine.forward(np.asarray(ids[t - s : t]))
+            for p, row in zip(range(t - s, t), rows, strict=True):
+                if p in stepped:
+                    worst = max(worst, rel(row, stepped[p], scale))
             engine.truncate(t - s)
-            worst = max(worst, rel(engine.forward(np.asarray(ids[t - s : t]))[-1], step, scale))
-            engine.truncate(t - s)  # the steps again: the cache as plain decoding writes it
-            for j in range(t - s, t):
-                engine.forward(np.asarray(ids[j : j + 1]))
     engine.reset()
     return worst
+
+
+def _steps_to(engine, ids: np.ndarray, n: int) -> None:
+    """Cut the cache back to n positions, or step up to n one position at a time."""
+    engine.truncate(min(engine.n_cached, n))
+    while engine.n_cached < n:
+        engine.forward(np.asarray(ids[engine.n_cached : engine.n_cached + 1]))
 
 
 def min_step_for(worst: dict[str, float], kv_layout: str) -> int:

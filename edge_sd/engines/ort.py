@@ -153,12 +153,13 @@ class OrtSession:
         return OrtEngine(self, capacity=capacity)
 
 
-# A forward that crosses a multiple of this many positions is run as two, split there as plain
-# decoding's two-position steps split it. With ONNX Runtime 1.32 on an AVX-512 VNNI Xeon, forwards that
-# held two or more positions below 64 and one at or above it computed them otherwise than plain steps,
-# enough to change a greedy output; split so, they agree (docs/artifact-format.md; export validation
-# checks it: engines/consistency.py, across_split). It costs one extra forward at most every SPLIT_AT
-# positions.
+# A forward that crosses a multiple of this many positions is run as plain decoding's two-position
+# steps meet it: split there, its second part starting at the position before the multiple, which a
+# forward starting at the multiple feeds again. With ONNX Runtime 1.32, on an AVX-512 VNNI Xeon and on
+# an AMD EPYC with AVX-512, a forward holding positions on both sides of 64 (or 192) computed them
+# otherwise than the steps do, its first row included, enough to change a greedy output; run so, every
+# row agrees (docs/artifact-format.md; export validation checks it: engines/consistency.py,
+# across_split). It costs one extra forward at most every SPLIT_AT positions.
 SPLIT_AT = 64
 
 
@@ -251,8 +252,9 @@ class OrtEngine:
         self._kv.truncate(0)
         self.n_cached = 0
 
-    def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
-        """Logits [n, V] of the last n positions fed (n = last, or every one of ids)."""
+    def forward(self, ids: np.ndarray, last: int | None = None, split: bool = True) -> np.ndarray:
+        """Logits [n, V] of the last n positions fed (n = last, or every one of ids). split=False: run
+        as one forward even across a multiple of SPLIT_AT (the second part of a split)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s = len(ids)
         m = self.manifest
@@ -263,17 +265,25 @@ class OrtEngine:
                 f"{m.name}: {self.n_cached + s} positions would exceed the maximum context of {m.max_context}"
             )
         edge = (self.n_cached // SPLIT_AT + 1) * SPLIT_AT  # the next multiple of SPLIT_AT
-        if self.min_step > 1 and self.n_cached < edge - 1 and self.n_cached + s > edge:
+        if split and self.min_step > 1 and self.n_cached + s > edge:
             # As plain decoding's steps meet it: one forward up to it, then one from the position
             # before it (fed again), which is where plain decoding last writes that position's cache.
+            # A forward that starts at that position is split too: the step that computed its logits
+            # in plain decoding ended there, and one running on across the edge computed them
+            # otherwise (an AMD EPYC with AVX-512, ONNX Runtime 1.32).
             k = edge - self.n_cached
             n = s if last is None else max(1, min(last, s))
             head = self.forward(ids[:k], last=max(1, n - (s - k)))
             self.truncate(edge - 1)
-            tail = self.forward(np.concatenate([self._fed[edge - 1 : edge], ids[k:]]), last=min(n, s - k))
+            tail = self.forward(np.concatenate([self._fed[edge - 1 : edge], ids[k:]]), last=min(n, s - k),
+                                split=False)
             return tail if n <= s - k else np.concatenate([head, tail])
         start_time = time.perf_counter()
         back = min(max(self.min_step - s, 0), self.n_cached)  # cached positions fed again
+        if self.min_step > 1 and self.n_cached % SPLIT_AT == 0 and self.n_cached:
+            # Plain decoding's step there feeds the position before the multiple again, and the
+            # forwards after it read that position's cache as that step wrote it.
+            back = max(back, 1)
         if back:
             ids = np.concatenate([self._fed[self.n_cached - back : self.n_cached], ids])
             self.truncate(self.n_cached - back)
