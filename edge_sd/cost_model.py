@@ -39,6 +39,7 @@ class CostModel:
         self.target_prior = dict(target)
         self.target_cost = {s: Estimate(c) for s, c in target.items()}
         self.target_seen: set[int] = set()  # sizes measured in rounds (with a starting cost above 0)
+        self._drift: dict[int, float] = {}  # size -> _drift_of(size), kept as rounds are observed
         self.draft_cost = {a: Estimate(c) for a, c in draft.items()}
         self.catch_up = Estimate(catch_up)
         # The rest of a round over s positions (verification, warping p, the text, syncing the
@@ -53,13 +54,10 @@ class CostModel:
         every draft would look as dear as it did then and never run to show otherwise."""
         if s in self.target_seen:
             return self.target_cost[s].value
-        return self.target_cost[s].value * self._drift(s)
+        return self.target_cost[s].value * self._drift.get(s, 1.0)
 
-    def _drift(self, s: int) -> float:
-        """How far the forward measured nearest to s positions has moved from its starting cost (1.0
-        before any has been measured)."""
-        if not self.target_seen:
-            return 1.0
+    def _drift_of(self, s: int) -> float:
+        """How far the forward measured nearest to s positions has moved from its starting cost."""
         near = min(self.target_seen, key=lambda x: (abs(x - s), x))
         return self.target_cost[near].value / self.target_prior[near]
 
@@ -67,10 +65,10 @@ class CostModel:
         """Seconds per drafted token: measured, else the starting cost moved as the target's step has
         (the same machine, busy or not, runs both)."""
         c = self.draft_cost[algo]
-        return c.value if c.n > 1 else c.value * self._drift(1)
+        return c.value if c.n > 1 else c.value * self._drift.get(1, 1.0)
 
     def catch_up_cost(self) -> float:
-        return self.catch_up.value if self.catch_up.n > 1 else self.catch_up.value * self._drift(1)
+        return self.catch_up.value if self.catch_up.n > 1 else self.catch_up.value * self._drift.get(1, 1.0)
 
     def other(self, s: int) -> float:
         """The rest of a round over s positions: measured, else scaled from the nearest measured size
@@ -104,6 +102,8 @@ class CostModel:
             self.target_cost[s].add(target_s)
             if self.target_prior[s] > 0:
                 self.target_seen.add(s)
+                # once a round, not at every estimate a plan reads
+                self._drift = {x: self._drift_of(x) for x in self.target_cost}
         self.other_cost.setdefault(s, Estimate(0.0, prior=0)).add(other_s)
         if algo is not None and proposed:
             self.draft_cost[algo].add(max(0.0, draft_s - caught_up_s) / proposed)

@@ -408,8 +408,8 @@ def _new_cost_schedule(proposers: dict[str, Proposer], k: int, longest: int, cos
     positions), every drafting algorithm at the drafter's step cost, prompt lookup at none (at a
     drafter step a token, a lookup draft would look dearer than a plain step wherever the drafter's
     step costs more than the target's extra positions, and never run to show otherwise)."""
-    free = {p.lookup.name if isinstance(p, ChainProposer) else name
-            for name, p in proposers.items() if isinstance(p, ChainProposer) or p.drafter is None}
+    free = {name for name, p in proposers.items() if p.drafter is None}
+    free |= {p.lookup.name for p in proposers.values() if isinstance(p, ChainProposer)}
     drafts = {a: 0.0 if a in free else costs.step for a in estimated(proposers)}
     return CostSchedule(proposers, k, CostModel(costs.target, drafts, costs.position, learn=learn_costs), greedy=greedy,
                         lookup_max=longest)
