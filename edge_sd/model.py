@@ -9,6 +9,7 @@ generator, statistics).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ import numpy as np
 from edge_sd.algorithms.rdk import Kernel
 from edge_sd.config import GenerationConfig
 from edge_sd.disco import DiscoModel
+from edge_sd.engines import host_memory
 from edge_sd.engines.ort import OrtEngine, OrtSession
 from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.errors import ArtifactError, UsageError
@@ -70,6 +72,11 @@ class Costs(NamedTuple):
         return cls({int(s): float(c) for s, c in data["target"].items()}, float(data["step"]), float(data["position"]))
 
 
+def _session(folder: Path, provider: str, threads: int | None, verify: bool, spin: str, drafter: bool) -> OrtSession:
+    return OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
+                      min_step_positions=1 if drafter else None)
+
+
 class Side:
     """One engine's session with its tokenizer.
 
@@ -78,26 +85,31 @@ class Side:
     """
 
     def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
-                 drafter: bool = False):
+                 drafter: bool = False, session: OrtSession | None = None):
+        """session: built already (a pair's target, built alone: Model.load); else built here."""
         from concurrent.futures import ThreadPoolExecutor
 
         m = load_engine_manifest(folder)
-        # ONNX Runtime builds the session outside Python's lock, but `tokenizers` holds the lock while it
-        # reads a tokenizer.json (a second for a 262k vocabulary): the session is started first, in a
-        # thread, and given a head start into ONNX Runtime before the tokenizer is read here.
-        started = threading.Event()
+        vocab = functools.partial(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids,
+                                  cache=folder / CACHE_DIR)
+        if session is not None:
+            self.vocab, self.session = vocab(), session
+        else:
+            # ONNX Runtime builds the session outside Python's lock, but `tokenizers` holds the lock
+            # while it reads a tokenizer.json (a second for a 262k vocabulary): the session is started
+            # first, in a thread, and given a head start into ONNX Runtime before the tokenizer is read.
+            started = threading.Event()
 
-        def build() -> OrtSession:
-            started.set()
-            return OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
-                              min_step_positions=1 if drafter else None)
+            def build() -> OrtSession:
+                started.set()
+                return _session(folder, provider, threads, verify, spin, drafter)
 
-        with ThreadPoolExecutor(1) as pool:
-            session = pool.submit(build)
-            started.wait()
-            time.sleep(SESSION_HEAD_START)
-            self.vocab = Vocab.from_file(folder / m.tokenizer_file, m.eos_token_ids, cache=folder / CACHE_DIR)
-            self.session = session.result()
+            with ThreadPoolExecutor(1) as pool:
+                building = pool.submit(build)
+                started.wait()
+                time.sleep(SESSION_HEAD_START)
+                self.vocab = vocab()
+                self.session = building.result()
         self.manifest: EngineManifest = self.session.manifest
         self.kept = _kept_ids(folder, self.manifest, self.vocab.size)
         self._engine: OrtEngine | None = None
@@ -177,13 +189,17 @@ class Model:
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
-            # Loaded side by side: ONNX Runtime builds both sessions outside Python's lock while the
-            # tokenizers are read (which hold it, one after the other).
+            # The target's session is built first and alone: ONNX Runtime repacks its weights while
+            # building it, holding the LM head several times over for a moment, which is the load's
+            # peak of memory. The drafter's session is built after it, outside Python's lock, while
+            # the tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(2) as pool:
+            host_memory.map_large_blocks()
+            session = _session(folder / pm.target, provider, threads, verify, "run", drafter=False)
+            with ThreadPoolExecutor(1) as pool:
                 loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
-                target = Side(folder / pm.target, provider, threads, verify, spin="run")
+                target = Side(folder / pm.target, provider, threads, verify, spin="run", session=session)
                 drafter = loading.result()
             maps, notes = _load_maps(folder, pm, target, drafter)
             model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)

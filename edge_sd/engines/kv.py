@@ -9,6 +9,7 @@ positions.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,15 @@ class ConcatKV:
         ]
 
 
+def _mapped_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in a mapping of their own: pages are committed only as positions are written, and all of
+    it goes back to the system when the tensor is dropped. np.zeros may instead take them
+    from the heap (once the allocator has raised its threshold for mapping, which freeing any large
+    block does), where a regrown cache leaves holes that resident memory never gives back."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
 class SharedKV:
     """The model builder's layout: per layer one buffer of `capacity` positions, bound once as both
     past and present. A call writes its new positions in place; the attention mask's length tells the
@@ -85,23 +95,29 @@ class SharedKV:
     def _allocate(self, capacity: int, keep: int) -> None:
         m = self._m
         shape = (1, m.num_kv_heads, capacity, m.head_dim)
-        old = self._host if self._device == "cpu" else [v.numpy() for v in self._values]
+        cpu = self._device == "cpu"
+        old_host = self._host if cpu else [v.numpy() for v in self._values]
+        old_values = self._values
         host, values = [], []
         for i, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
             for j in range(2):
-                if self._device == "cpu" or keep:
-                    # np.zeros maps pages lazily: memory is committed only as positions are written.
-                    arr: np.ndarray = np.zeros(shape, dtype=self._dtype)
+                k = 2 * i + j
+                if cpu or keep:
+                    arr = _mapped_zeros(shape, self._dtype)
                     if keep:
-                        arr[:, :, :keep] = old[2 * i + j][:, :, :keep]
+                        arr[:, :, :keep] = old_host[k][:, :, :keep]
                     value = ort.OrtValue.ortvalue_from_numpy(arr, self._device)
-                    if self._device == "cpu":
+                    if cpu:
                         host.append(arr)  # the OrtValue borrows this memory: keep it alive
                 else:
                     value = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._dtype, self._device, 0)
                 values.append(value)
                 self._io.bind_ortvalue_input(past[j], value)
                 self._io.bind_ortvalue_output(present[j], value)
+                if old_values:
+                    # Bound no more: its memory goes back before the next tensor is copied, so that a
+                    # regrowth never holds the whole cache twice.
+                    old_host[k] = old_values[k] = None
         self._host, self._values, self.capacity = host, values, capacity
 
     def ensure(self, total: int, keep: int) -> None:

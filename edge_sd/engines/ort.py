@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from edge_sd.engines import prepared
+from edge_sd.engines import host_memory, prepared
 from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
@@ -53,6 +53,7 @@ class OrtSession:
         self.manifest: EngineManifest = load_engine_manifest(self.folder)
         check_files(self.manifest, self.folder, full=verify_files)
         m = self.manifest
+        host_memory.map_large_blocks()
         self.min_step = m.min_step_positions if min_step_positions is None else max(1, min_step_positions)
         self.head_rows = (m.min_head_rows or self.min_step) if min_step_positions is None else self.min_step
         opts = ort.SessionOptions()
@@ -60,6 +61,10 @@ class OrtSession:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # No arena for host memory: decoding's forwards change size every round (positions fed,
+        # positions attended), and an arena keeps every size it was ever asked for, growing through a
+        # long generation; plain allocation ran as fast (benchmarks/results/startup.md).
+        opts.enable_cpu_mem_arena = False
         # Errors only: ONNX Runtime warns on every load that `logits_to_keep`, an input with a default,
         # is not constant-folded (what edge-sd has to say about providers it says itself).
         opts.log_severity_level = 3

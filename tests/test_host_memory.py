@@ -1,0 +1,109 @@
+"""What keeps resident memory near weights plus KV: a regrown cache lets its old tensors go one by one,
+large blocks come from mappings of their own (glibc), and a pair's target session is built alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_sd import model as model_module
+from edge_sd.engines import host_memory, kv
+from edge_sd.engines.ort import OrtEngine
+
+from test_engines import IDS, steps
+
+
+def test_a_regrown_cache_never_holds_the_old_one_whole(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the cache doubles, each old tensor is let go once its positions are copied: when the k-th
+    new tensor is made, at most all-but-k old ones are alive. The copy stays exact."""
+    engine = OrtEngine(tiny_root / "engines" / "bl_llama", provider="cpu", threads=2, capacity=4)
+    engine.forward(IDS[:4])
+    old = [weakref.ref(a) for a in engine._kv._host]
+    alive_at: list[int] = []
+    made = kv._mapped_zeros
+
+    def counting(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+        alive_at.append(sum(r() is not None for r in old))
+        return made(shape, dtype)
+
+    monkeypatch.setattr(kv, "_mapped_zeros", counting)
+    engine.forward(IDS[4:5])  # past 4 positions: the cache regrows
+    n = len(old)
+    assert engine.capacity > 4 and len(alive_at) == n
+    assert all(alive <= n - k for k, alive in enumerate(alive_at)), alive_at
+    assert all(r() is None for r in old)
+    monkeypatch.setattr(kv, "_mapped_zeros", made)
+    np.testing.assert_array_equal(steps(engine, IDS), steps(OrtEngine(engine.shared), IDS))
+
+
+# A freed 8 MiB block raises glibc's threshold for mapping to 8 MiB; a 1 MiB block allocated after it
+# then comes from the heap, unless the threshold was fixed. Prints whether it did.
+_PROBE = """
+import sys
+import numpy as np
+from edge_sd.engines import host_memory
+big = np.ones(8 << 20, dtype=np.uint8)
+del big
+if sys.argv[1] == "fix":
+    assert host_memory.map_large_blocks()
+block = np.ones(1 << 20, dtype=np.uint8)
+address = block.ctypes.data
+with open("/proc/self/maps") as f:
+    heap = [line.split()[0].split("-") for line in f if line.rstrip().endswith("[heap]")]
+print(any(int(a, 16) <= address < int(b, 16) for a, b in heap))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_memory.platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc only")
+def test_large_blocks_stay_mapped_once_the_threshold_is_fixed() -> None:
+    def from_heap(mode: str, **env: str) -> bool:
+        out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True,
+                             env={"PATH": "", **env})
+        return out.stdout.strip() == "True"
+
+    assert from_heap("keep")  # the fault: glibc raised its threshold and took the block from the heap
+    assert not from_heap("fix")
+
+
+def test_a_threshold_the_environment_sets_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    host_memory.map_large_blocks.cache_clear()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    try:
+        assert host_memory.map_large_blocks() is False
+    finally:
+        host_memory.map_large_blocks.cache_clear()
+
+
+def test_a_pairs_target_session_is_built_while_nothing_else_loads(tiny_root: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its build is the load's peak of memory: no other session or tokenizer is read beside it."""
+    spans: dict[str, list[float]] = {}
+    lock = threading.Lock()
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                time.sleep(0.05)  # widen each span, so that an overlap cannot slip between two reads
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    where = Path(args[0]) if name == "session" else Path(args[0]).parent
+                    spans[f"{name} {where.name}"] = [start, time.perf_counter()]
+        return run
+
+    monkeypatch.setattr(model_module, "_session", timed("session", model_module._session))
+    monkeypatch.setattr(model_module.Vocab, "from_file", timed("vocab", model_module.Vocab.from_file))
+    folder = tiny_root / "pairs" / "llama_qwen"
+    model_module.Model.load(folder, provider="cpu", threads=2)
+    assert set(spans) == {"session target", "session drafter", "vocab target", "vocab drafter"}
+    start, end = spans.pop("session target")
+    assert all(s >= end for s, _ in spans.values()), spans
