@@ -96,8 +96,9 @@ class SharedKV:
         m = self._m
         shape = (1, m.num_kv_heads, capacity, m.head_dim)
         cpu = self._device == "cpu"
-        old_host = self._host if cpu else [v.numpy() for v in self._values]
-        old_values = self._values
+        old_host: list[Any] = self._host if cpu else [v.numpy() for v in self._values]
+        old_values: list[Any] = self._values
+        self._host, self._values = [], []  # the old tensors are held by old_host and old_values alone
         host, values = [], []
         for i, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
             for j in range(2):
