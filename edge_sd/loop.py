@@ -63,7 +63,7 @@ class Decoder:
         self.stats.prefilled_tokens = len(pending)
         if pending:
             before = target.forward_time  # engines time their own forwards
-            target.forward(np.asarray(pending), last=1)  # its logits are not read
+            target.forward(np.asarray(pending), last=1, scratch=True)  # its logits are not read
             elapsed = target.forward_time - before
             self.stats.prefill_s += elapsed
             self.stats.wall_s += elapsed
@@ -96,7 +96,9 @@ class Decoder:
         # -1 is a proposal with no target id (never accepted); so is an id past the logits.
         cands = [c if c < self.width else -1 for c in draft.candidates[: plan.m]] if draft else []
         before = target.forward_time
-        logits = target.forward(np.asarray([committed[-1]] + [max(c, 0) for c in cands]))[:, : self.width]
+        # Read within the round, before the target's next forward: the engine's scratch buffer.
+        fed = np.asarray([committed[-1]] + [max(c, 0) for c in cands])
+        logits = target.forward(fed, scratch=True)[:, : self.width]
         target_s = target.forward_time - before  # logits: [m+1, V]
         if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
             a, nxt = verify_greedy(cands, logits)

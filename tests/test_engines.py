@@ -218,3 +218,24 @@ def test_consistency_is_measured_again_on_another_provider(tiny_root: Path, tmp_
     engine = OrtEngine(folder, provider="cpu", threads=2)
     assert engine.consistency == figures and engine.min_step == 1 and engine.forward_count == 0
     assert OrtEngine(folder, provider="cpu", threads=2, min_step_positions=1).consistency is None
+
+
+def test_scratch_logits_are_the_forwards_own_in_a_reused_buffer(tiny_root: Path) -> None:
+    """forward(scratch=True) computes what a plain forward does, for every size a round feeds and past
+    it (where it falls back to a new array), and writes each round's logits over the last's."""
+    folder = tiny_root / "engines" / "sp_gemma"
+    plain, scratch = OrtEngine(folder, provider="cpu", threads=2), OrtEngine(folder, provider="cpu", threads=2)
+    views = []
+    longer = np.arange(5, 80)
+    for engine in (plain, scratch):
+        engine.forward(longer[:3])
+    start = 3
+    for s in (1, 2, 5, 17, 20, 1):
+        ids = longer[start : start + s]
+        want = plain.forward(ids)
+        got = scratch.forward(ids, scratch=True)
+        np.testing.assert_array_equal(got, want)
+        views.append(got)
+        start += s
+    assert np.shares_memory(views[0], views[-1]) and np.shares_memory(views[0], views[3])
+    assert not np.shares_memory(views[4], views[0])  # 20 rows: more than the buffer holds

@@ -47,7 +47,7 @@ class ScriptedEngine:
     def cached_ids(self) -> np.ndarray:
         return np.zeros(self.n_cached, dtype=np.int64)  # not recorded: these tests read no cached ids
 
-    def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
+    def forward(self, ids: np.ndarray, last: int | None = None, *, scratch: bool = False) -> np.ndarray:
         self.n_cached += len(ids)
         self.forward_time += self.seconds(len(ids))
         row = self.rows[min(self.calls, len(self.rows) - 1)]

@@ -29,9 +29,10 @@ class Engine(Protocol):
         """The ids at the cached positions, in order."""
         ...
 
-    def forward(self, ids: np.ndarray, last: int | None = None) -> np.ndarray:
+    def forward(self, ids: np.ndarray, last: int | None = None, *, scratch: bool = False) -> np.ndarray:
         """Feed ids [s] after the cached positions and cache them; returns the logits [n, V] of the
-        last n = `last` positions (all s when None; an engine may compute only those)."""
+        last n = `last` positions (all s when None; an engine may compute only those). scratch: the
+        caller reads them before the engine's next forward, so they may live in a buffer it reuses."""
         ...
 
     def truncate(self, n: int) -> None:
