@@ -5,8 +5,10 @@ is freed, until a freed mapped block raises that threshold to its size (up to 32
 the blocks an ONNX Runtime forward allocates and frees (logits of up to 17 rows of a 262k vocabulary,
 attention scratch growing with the context) come from the heap, where they interleave with small
 blocks that live on, and the holes they leave are never given back: resident memory climbs through a
-long generation. Fixing the threshold where glibc starts it keeps those blocks mapped; forwards ran
-as fast (benchmarks/results/startup.md). A process that sets MALLOC_MMAP_THRESHOLD_ keeps its own.
+long generation. Fixing the threshold where glibc starts it keeps those blocks mapped. A mapped block
+costs a page fault a page the first time it is written, so the decoding loop's forwards write their
+logits into a buffer the engine reuses (engines/ort.py, `forward(scratch=True)`). A process that sets
+MALLOC_MMAP_THRESHOLD_ keeps its own.
 """
 
 from __future__ import annotations

@@ -334,7 +334,8 @@ class OrtEngine:
         elif len(names) == 1 and raw is not None:
             # The logits alone are read (the cache was written in place): IOBinding.get_outputs would
             # wrap every bound output, each layer's KV buffers too, in a Python OrtValue, a quarter of
-            # a millisecond a step for Gemma's 37 outputs; the binding's own vector is read instead.
+            # a millisecond a step for Gemma's 37 outputs; the binding's own vector is read instead
+            # (a private attribute of ONNX Runtime's wrapper: where it is missing, the public call).
             logits = raw.get_outputs()[0].numpy()[0, -n:]  # [n, V]
         else:
             out = dict(zip(names, io.get_outputs(), strict=False))
