@@ -21,7 +21,6 @@ import numpy as np
 from edge_sd.algorithms.rdk import Kernel
 from edge_sd.config import GenerationConfig
 from edge_sd.disco import DiscoModel
-from edge_sd.engines import host_memory
 from edge_sd.engines.ort import OrtEngine, OrtSession
 from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.errors import ArtifactError, UsageError
@@ -195,7 +194,6 @@ class Model:
             # the tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
-            host_memory.map_large_blocks()
             session = _session(folder / pm.target, provider, threads, verify, "run", drafter=False)
             with ThreadPoolExecutor(1) as pool:
                 loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
