@@ -90,8 +90,13 @@ class Decoder:
         # context; nor while the cache is empty (a one-token prompt): that forward has a single
         # position with nothing to re-feed, so plain decoding takes it alone too.
         plan = self.schedule.plan(min(stream.remaining - 1, max_ctx - n) if target.n_cached else 0)
+        proposer = plan.proposer if plan.m > 0 else None
+        if proposer is not None and proposer.drafter is not None:
+            # A drafter whose session is built on first use is built here: the cost schedule learns
+            # what a draft costs from its time, which the one-off build would inflate.
+            proposer.drafter.engine.prepare()
         start = time.perf_counter()
-        draft = plan.proposer.propose(plan.m, committed, plan.stop) if (plan.proposer and plan.m > 0) else None
+        draft = proposer.propose(plan.m, committed, plan.stop) if proposer is not None else None
         draft_s = time.perf_counter() - start
         # -1 is a proposal with no target id (never accepted); so is an id past the logits.
         cands = [c if c < self.width else -1 for c in draft.candidates[: plan.m]] if draft else []

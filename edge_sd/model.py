@@ -71,9 +71,10 @@ class Costs(NamedTuple):
         return cls({int(s): float(c) for s, c in data["target"].items()}, float(data["step"]), float(data["position"]))
 
 
-def _session(folder: Path, provider: str, threads: int | None, verify: bool, spin: str, drafter: bool) -> OrtSession:
+def _session(folder: Path, provider: str, threads: int | None, verify: bool, spin: str, drafter: bool,
+             defer: bool = False) -> OrtSession:
     return OrtSession(folder, provider=provider, threads=threads, verify_files=verify, spin=spin,
-                      min_step_positions=1 if drafter else None)
+                      min_step_positions=1 if drafter else None, defer=defer)
 
 
 class Side:
@@ -84,15 +85,17 @@ class Side:
     """
 
     def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
-                 drafter: bool = False, session: OrtSession | None = None):
-        """session: built already (a pair's target, built alone: Model.load); else built here."""
+                 drafter: bool = False, session: OrtSession | None = None, defer: bool = False):
+        """session: built already (a pair's target, built alone: Model.load); else built here, or with
+        `defer` (a drafter's) when its first forward needs it."""
         from concurrent.futures import ThreadPoolExecutor
 
         m = load_engine_manifest(folder)
         vocab = functools.partial(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids,
                                   cache=folder / CACHE_DIR)
-        if session is not None:
-            self.vocab, self.session = vocab(), session
+        if session is not None or defer:
+            self.session = session or _session(folder, provider, threads, verify, spin, drafter, defer=True)
+            self.vocab = vocab()
         else:
             # ONNX Runtime builds the session outside Python's lock, but `tokenizers` holds the lock
             # while it reads a tokenizer.json (a second for a 262k vocabulary): the session is started
@@ -180,8 +183,14 @@ class Model:
 
     @classmethod
     def load(cls: type[_M], path: str | Path, provider: str = "auto", threads: int | None = None,
-             verify: bool = False) -> _M:
-        """Load a pair folder (pair.json) or a single engine folder (engine.json)."""
+             verify: bool = False, defer_drafter: bool = True) -> _M:
+        """Load a pair folder (pair.json) or a single engine folder (engine.json).
+
+        defer_drafter: a pair's drafter session (its weights repacked by ONNX Runtime, the drafter's
+        share of start-up time and memory) is built when a generation first drafts with it: `auto`
+        may never, where prompt lookup and plain steps pay better. False builds it now, so that a
+        damaged drafter fails the load rather than a generation.
+        """
         folder = Path(path)
         if not folder.is_dir():
             raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
@@ -190,13 +199,14 @@ class Model:
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
             # The target's session is built first and alone: ONNX Runtime repacks its weights while
             # building it, holding the LM head several times over for a moment, which is the load's
-            # peak of memory. The drafter's session is built after it, outside Python's lock, while
-            # the tokenizers are read (which hold it, one after the other).
+            # peak of memory. The drafter's session, unless deferred, is built after it, outside
+            # Python's lock, while the tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
             session = _session(folder / pm.target, provider, threads, verify, "run", drafter=False)
             with ThreadPoolExecutor(1) as pool:
-                loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True)
+                loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
+                                      defer=defer_drafter)
                 target = Side(folder / pm.target, provider, threads, verify, spin="run", session=session)
                 drafter = loading.result()
             maps, notes = _load_maps(folder, pm, target, drafter)

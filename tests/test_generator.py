@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +184,84 @@ def test_generator_before_anything_is_appended(model: Pipeline) -> None:
         gen.generate_next_tokens()
     with pytest.raises(UsageError, match="empty"):
         gen.append_text("")
+
+
+def test_a_pairs_drafter_session_is_built_when_first_drafted(tiny_root: Path) -> None:
+    """The drafter's session waits for the first draft that needs it: plain steps and prompt lookup
+    never build it; a drafting algorithm does, and decodes as the eagerly loaded pair does."""
+    folder = tiny_root / "pairs" / "gemma_qwen"
+    eager = Model.load(folder, provider=PROVIDER, threads=2, defer_drafter=False)
+    assert eager.drafter is not None and eager.drafter.session.loaded
+    model = Model.load(folder, provider=PROVIDER, threads=2)
+    assert model.drafter is not None and not model.drafter.session.loaded
+    for algo in ("plain", "lookup"):
+        cfg = GenerationConfig(max_new_tokens=16, algorithm=algo)
+        assert alone(model, PROMPTS[0], cfg) == alone(eager, PROMPTS[0], cfg)
+    assert not model.drafter.session.loaded
+    cfg = GenerationConfig(max_new_tokens=16, algorithm="slem", lookahead=3)
+    gen = model.generator(cfg)
+    gen.append_text(PROMPTS[0])
+    while not gen.is_done:
+        gen.generate_next_tokens()
+    got = gen.result()
+    assert model.drafter.session.loaded and got.stats.drafter_forwards > 0
+    assert got.token_ids == alone(eager, PROMPTS[0], cfg) == alone(eager, PROMPTS[0], GenerationConfig(
+        max_new_tokens=16, algorithm="plain"))
+
+
+def test_a_deferred_session_is_built_once_by_threads_that_need_it(tiny_root: Path, monkeypatch) -> None:
+    from edge_sd.engines.ort import OrtSession
+
+    builds = []
+    load = OrtSession._load
+
+    def counted(self: OrtSession) -> None:
+        builds.append(threading.get_ident())
+        time.sleep(0.2)  # long enough for every thread to ask while it is being built
+        load(self)
+
+    monkeypatch.setattr(OrtSession, "_load", counted)
+    folder = tiny_root / "pairs" / "gemma_qwen" / "drafter"
+    session = OrtSession(folder, provider=PROVIDER, threads=1, min_step_positions=1, defer=True)
+    assert not session.loaded and not builds
+    engines = [session.engine() for _ in range(4)]  # engines before the build: bound at first forward
+    engines[0].reserve(100)
+    engines[0].truncate(0)
+    engines[0].reset()
+    assert not session.loaded and not builds  # none of these needs the session
+    ids = np.arange(1, 6)
+    outs: list[np.ndarray] = []
+    threads = [threading.Thread(target=lambda e=e: outs.append(e.forward(ids))) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and session.loaded and session.device in ("cpu", "cuda")
+    assert len(outs) == 4 and all(np.array_equal(o, outs[0]) for o in outs)
+    with pytest.raises(ValueError, match="min_step_positions"):
+        OrtSession(folder, defer=True)
+
+
+def test_a_drafters_build_is_not_timed_as_drafting(tiny_root: Path, monkeypatch) -> None:
+    """The cost schedule learns a draft's cost from its time: the one-off build of a deferred drafter
+    session happens before that clock starts, and outside the drafter's forward time."""
+    from edge_sd.engines.ort import OrtSession
+    from edge_sd.lookahead import StaticSchedule
+
+    load = OrtSession._load
+    monkeypatch.setattr(OrtSession, "_load", lambda self: (time.sleep(0.5), load(self))[1])
+    model = Model.load(tiny_root / "pairs" / "gemma_qwen", provider=PROVIDER, threads=2)
+    rounds = []
+
+    class Recording(StaticSchedule):
+        def observe(self, plan, r) -> None:
+            rounds.append(r)
+
+    gen = Generator(model, GenerationConfig(max_new_tokens=12, algorithm="slem"),
+                    make_schedule=lambda proposers: Recording(next(iter(proposers.values())), 3))
+    gen.append_text(PROMPTS[0])
+    while not gen.is_done:
+        gen.generate_next_tokens()
+    assert model.drafter is not None and model.drafter.session.loaded
+    assert rounds and max(r.draft_s for r in rounds) < 0.5
+    assert gen.result().stats.time_drafter_s < 0.5

@@ -82,9 +82,11 @@ def test_a_threshold_the_environment_sets_is_left_alone(monkeypatch: pytest.Monk
         host_memory.map_large_blocks.cache_clear()
 
 
-def test_a_pairs_target_session_is_built_while_nothing_else_loads(tiny_root: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its build is the load's peak of memory: no other session or tokenizer is read beside it."""
+@pytest.mark.parametrize("defer_drafter", [False, True])
+def test_a_pairs_target_session_is_built_while_nothing_else_loads(tiny_root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   defer_drafter: bool) -> None:
+    """Its build is the load's peak of memory: no other session or tokenizer is read beside it (the
+    drafter's session built then, or deferred to its first draft)."""
     spans: dict[str, list[float]] = {}
     lock = threading.Lock()
 
@@ -103,7 +105,8 @@ def test_a_pairs_target_session_is_built_while_nothing_else_loads(tiny_root: Pat
     monkeypatch.setattr(model_module, "_session", timed("session", model_module._session))
     monkeypatch.setattr(model_module.Vocab, "from_file", timed("vocab", model_module.Vocab.from_file))
     folder = tiny_root / "pairs" / "llama_qwen"
-    model_module.Model.load(folder, provider="cpu", threads=2)
+    model = model_module.Model.load(folder, provider="cpu", threads=2, defer_drafter=defer_drafter)
+    assert model.drafter is not None and model.drafter.session.loaded is not defer_drafter
     assert set(spans) == {"session target", "session drafter", "vocab target", "vocab drafter"}
     start, end = spans.pop("session target")
     assert all(s >= end for s, _ in spans.values()), spans

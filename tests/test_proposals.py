@@ -63,6 +63,9 @@ class ScriptedEngine:
     def reserve(self, n: int) -> None:
         pass
 
+    def prepare(self) -> None:
+        pass
+
 
 # --- the text stream -----------------------------------------------------------------------------
 

@@ -46,3 +46,8 @@ class Engine(Protocol):
     def reserve(self, n: int) -> None:
         """Make room for n cached positions up front (a preallocated cache then never grows)."""
         ...
+
+    def prepare(self) -> None:
+        """Make ready what the first forward needs (an engine over a session built on first use), so
+        that the forward's time is the forward's."""
+        ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -39,6 +40,7 @@ class OrtSession:
         verify_files: bool = False,
         spin: str = "always",
         min_step_positions: int | None = None,
+        defer: bool = False,
     ):
         """spin: when ONNX Runtime's worker threads spin (busy-wait) for work. "always": also between
         runs, ready for the next one; an engine alone gains from it (Gemma-3-270M: 55.5 against 60
@@ -49,12 +51,20 @@ class OrtSession:
 
         min_step_positions: override the manifest's (1 for a drafter, whose forwards need not agree
         with each other).
+
+        defer: build the ONNX Runtime session when it is first needed (`load`, or an engine's first
+        forward) instead of now: a pair's drafter, which a cost-aware generation may never run. Only
+        with min_step_positions given, as a drafter's is: the consistency check a session on another
+        provider runs at build could change what engines made before it read.
         """
+        if defer and min_step_positions is None:
+            raise ValueError("a deferred session needs min_step_positions (engines read it before the build)")
         self.folder = Path(folder)
         self.manifest: EngineManifest = load_engine_manifest(self.folder)
         check_files(self.manifest, self.folder, full=verify_files)
         m = self.manifest
         host_memory.map_large_blocks()
+        self._own_min_step = min_step_positions is None  # else a caller's: not measured at build
         self.min_step = m.min_step_positions if min_step_positions is None else max(1, min_step_positions)
         self.head_rows = (m.min_head_rows or self.min_step) if min_step_positions is None else self.min_step
         opts = ort.SessionOptions()
@@ -83,6 +93,44 @@ class OrtSession:
                                  m.max_context))
             if n == PROVIDERS["tensorrt"] else n for n in names
         ]
+        self._build_args = (opts, chosen, names)
+        self._ready = False
+        self._lock = threading.Lock()
+        if not defer:
+            self._load()
+
+    # Set when the session is built: `__getattr__` builds a deferred one when any of them is first read.
+    session: ort.InferenceSession
+    graph_cache: str
+    providers: list[str]
+    kv_dtype: type
+    device: str
+    keeps_logits: bool
+    consistency: dict | None
+    _BUILT = frozenset(("session", "graph_cache", "providers", "kv_dtype", "device", "keeps_logits", "consistency"))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes not set yet: those of a session not built yet.
+        if name not in OrtSession._BUILT or "_lock" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        self.load()
+        return self.__dict__[name]
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the ONNX Runtime session is built (a deferred one: not before it is needed)."""
+        return "session" in self.__dict__
+
+    def load(self) -> None:
+        """Build the session now, if it is not built yet (thread-safe: built once)."""
+        if not self._ready:
+            with self._lock:
+                if not self._ready:
+                    self._load()
+
+    def _load(self) -> None:
+        m = self.manifest
+        opts, chosen, names = self._build_args
         self.session, self.graph_cache = self._build(opts, chosen, names)
         self.providers = self.session.get_providers()
         unverified = [short for short, full in PROVIDERS.items() if short in UNVERIFIED and full in self.providers]
@@ -101,18 +149,20 @@ class OrtSession:
         # min_step_positions was measured where the export validated the graph; on another provider
         # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
         # again here, in a few dozen forwards (engines/consistency.py).
-        self.consistency: dict | None = None
-        if min_step_positions is None and m.validation.get("provider", "cpu") != self.device:
-            self.consistency = check_consistency(self.engine())
-            self.min_step = self.consistency["min_step_positions"]
-            self.head_rows = self.consistency["min_head_rows"] or self.min_step
-            worst = max(self.consistency["single"], self.consistency["multi"])
+        consistency = None
+        if self._own_min_step and m.validation.get("provider", "cpu") != self.device:
+            consistency = check_consistency(self.engine())
+            self.min_step = consistency["min_step_positions"]
+            self.head_rows = consistency["min_head_rows"] or self.min_step
+            worst = max(consistency["single"], consistency["multi"])
             if worst > BROKEN_RTOL:  # rounding moves logits by 1e-6..1e-2 of their scale; this is not that
                 advice = " (run it with --provider cpu)" if m.device == "cpu" else ""
                 raise ProviderError(
                     f"{m.name}: through {self.providers[0]} its forwards disagree with each other by {worst:.1e} "
                     f"of the logits' scale: its results would be wrong here{advice}"
                 )
+        self.consistency = consistency
+        self._ready = True
 
     def _build(self, opts: ort.SessionOptions, chosen: list, names: list[str]) -> tuple[ort.InferenceSession, str]:
         """The session, from the graph a first load saved beside the engine where there is one
@@ -203,26 +253,42 @@ class OrtEngine:
         self.min_step = source.min_step
         self.head_rows = source.head_rows
         m = self.manifest
-        self._io = source.session.io_binding()
-        # Logits are bound first, so that they are always the first output.
-        self._io.bind_output("logits", "cpu")
-        cap = min(m.max_context, max(capacity or source.capacity, m.sliding_window or 0))
-        kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
-        self._kv = kv_class(m, self._io, source.device, source.kv_dtype, cap)
         # Inputs are slices of these: no per-step allocation of masks and positions.
         self._ones = np.ones((1, m.max_context), dtype=np.int64)
         self._positions = np.arange(m.max_context, dtype=np.int64)[None]
         self._fed = np.zeros(m.max_context, dtype=np.int64)  # the id at each cached position
-        self._keep = np.zeros(1, dtype=np.int64) if source.keeps_logits else None
-        if self._keep is not None:  # bound as an OrtValue sharing _keep's memory: an input with a
-            # default is not in the list `bind_cpu_input` checks names against
-            self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
-            self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
         self.forward_count = 0
         self.forward_time = 0.0
         self.n_cached = 0
         self._scratch: np.ndarray | None = None  # forward(scratch=True)'s logits
         self._scratch_values: dict[int, Any] = {}
+        # The binding and the KV cache need the built session: over a deferred one they are made
+        # by the first forward (or `prepare`), with the room `reserve` asked for by then.
+        self._capacity = min(m.max_context, max(capacity or source.capacity, m.sliding_window or 0))
+        self._io: Any = None
+        self._kv: ConcatKV | SharedKV | None = None
+        self._keep: np.ndarray | None = None
+        if source.loaded:
+            self._bind()
+
+    def prepare(self) -> None:
+        """Build what the first forward needs (a deferred session, this engine's binding), so that it
+        is not paid inside a timed forward."""
+        if self._kv is None:
+            self._bind()
+
+    def _bind(self) -> None:
+        source, m = self.shared, self.manifest
+        self._io = source.session.io_binding()
+        # Logits are bound first, so that they are always the first output.
+        self._io.bind_output("logits", "cpu")
+        kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
+        self._kv = kv_class(m, self._io, source.device, source.kv_dtype, self._capacity)
+        self._keep = np.zeros(1, dtype=np.int64) if source.keeps_logits else None
+        if self._keep is not None:  # bound as an OrtValue sharing _keep's memory: an input with a
+            # default is not in the list `bind_cpu_input` checks names against
+            self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
+            self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
         logits_type = next(o.type for o in source.session.get_outputs() if o.name == "logits")
         self._logits_dtype = _NP_DTYPES.get(logits_type, np.float32)
 
@@ -250,6 +316,8 @@ class OrtEngine:
     @property
     def capacity(self) -> int:
         """Positions the cache holds without growing (max_context for the concat layout)."""
+        if self._kv is None:
+            return self.manifest.max_context if self.manifest.kv_layout != "shared" else self._capacity
         return self._kv.capacity
 
     @property
@@ -259,10 +327,15 @@ class OrtEngine:
 
     def reserve(self, n: int) -> None:
         """Make room for n cached positions now, so that the cache does not grow during a generation."""
-        self._kv.ensure(min(n, self.manifest.max_context), self.n_cached)
+        n = min(n, self.manifest.max_context)
+        if self._kv is None:
+            self._capacity = max(self._capacity, n)
+        else:
+            self._kv.ensure(n, self.n_cached)
 
     def reset(self) -> None:
-        self._kv.truncate(0)
+        if self._kv is not None:
+            self._kv.truncate(0)
         self.n_cached = 0
 
     def forward(self, ids: np.ndarray, last: int | None = None, split: bool = True, *,
@@ -273,6 +346,8 @@ class OrtEngine:
         its next forward (the decoding loop's forwards, read before the next one runs): no new block a
         forward, where a verification forward's 17 rows of a 262k vocabulary are 17 MB of pages the
         system would otherwise map and clear every round."""
+        if self._kv is None:
+            self._bind()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         s = len(ids)
         m = self.manifest
@@ -307,7 +382,9 @@ class OrtEngine:
             self.truncate(self.n_cached - back)
         start = self.n_cached
         total = start + len(ids)
-        self._kv.ensure(total, start)
+        kv = self._kv
+        assert kv is not None  # bound above
+        kv.ensure(total, start)
         io = self._io
         io.bind_cpu_input("input_ids", ids[None])
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
@@ -318,7 +395,7 @@ class OrtEngine:
             # The LM head runs over at least head_rows rows: a 4-bit head's single-row kernel rounds
             # otherwise, and a plain step would not compute what a verification forward does.
             self._keep[0] = max(n, min(self.head_rows, len(ids)))
-        names = ["logits", *self._kv.bind_past(start)]
+        names = ["logits", *kv.bind_past(start)]
         rows = int(self._keep[0]) if self._keep is not None else len(ids)
         buffer = self._scratch_rows(rows) if scratch else None
         if buffer is None:
@@ -329,7 +406,7 @@ class OrtEngine:
         raw = getattr(io, "_iobinding", None)
         if buffer is not None:
             if len(names) > 1:
-                self._kv.after_run(dict(zip(names, io.get_outputs(), strict=False)))
+                kv.after_run(dict(zip(names, io.get_outputs(), strict=False)))
             logits = buffer[0][0, -n:]
         elif len(names) == 1 and raw is not None:
             # The logits alone are read (the cache was written in place): IOBinding.get_outputs would
@@ -339,7 +416,7 @@ class OrtEngine:
             logits = raw.get_outputs()[0].numpy()[0, -n:]  # [n, V]
         else:
             out = dict(zip(names, io.get_outputs(), strict=False))
-            self._kv.after_run(out)
+            kv.after_run(out)
             logits = out["logits"].numpy()[0, -n:]
         self._fed[start:total] = ids
         self.n_cached = total
@@ -369,7 +446,8 @@ class OrtEngine:
             return
         if n < 0:
             raise ValueError(f"cannot truncate to {n} positions")
-        self._kv.truncate(n)
+        if self._kv is not None:
+            self._kv.truncate(n)
         self.n_cached = n
 
 
