@@ -8,7 +8,8 @@ first launch starts without the engines' runtime_cache (it is removed first): it
 sessions from the engines and saves what later launches reuse (engines/prepared.py). Memory: one
 process loads the folder, then generates --memory-tokens tokens (greedy, auto; a reply that ends early
 is followed by another turn), reading its resident set after loading, every 256 tokens and at the end,
-and its peak. Writes benchmarks/results/startup.md.
+and its peak; a pair twice, its drafter session deferred to its first draft (as `edge-sd generate`
+loads it) and built at load. Writes benchmarks/results/startup.md.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ def engines(folder: Path) -> list[Path]:
     raise SystemExit(f"{folder}: not an edge-sd folder")
 
 
-def weights_and_kv(folder: Path, positions: int) -> tuple[float, float]:
-    """MB of weights (the engine files) and of KV buffers for `positions` positions (float32)."""
+def weights_and_kv(folder: Path, positions: int, drafter: bool = True) -> tuple[float, float]:
+    """MB of weights (the engine files) and of KV buffers for `positions` positions (float32), of both
+    engines of a pair or (drafter=False) its target's alone."""
     weights = kv = 0.0
-    for e in engines(folder):
+    for e in engines(folder)[: None if drafter else 1]:
         m = load_engine_manifest(e)
         weights += sum(f.bytes for f in m.files if f.path.startswith("model.onnx")) / 1e6
         kv += 2 * m.num_layers * m.num_kv_heads * m.head_dim * positions * 4 / 1e6
@@ -80,16 +82,20 @@ def main() -> None:
         for e in engines(folder):
             shutil.rmtree(e / CACHE_DIR, ignore_errors=True)
         runs = [launch(folder, args.n) for _ in range(args.runs)]
-        proc = subprocess.run([sys.executable, "-c", _MEMORY, str(folder), str(args.memory_tokens)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"memory run failed: {proc.stderr[-1000:]}")
-        mem = json.loads(proc.stdout.strip().splitlines()[-1])
-        weights, kv = weights_and_kv(folder, mem["positions"])
-        rows.append({"folder": str(folder), "first": runs[0],
-                     "later": statistics.median(runs[1:]) if len(runs) > 1 else None,
-                     "weights_mb": weights, "kv_mb": kv, **mem})
-        print(rows[-1], file=sys.stderr, flush=True)
+        # A pair's drafter session is deferred to its first draft (Model.load): measured so, as
+        # `edge-sd generate` runs, and with it built at load.
+        for drafter in ("deferred", "at load") if len(engines(folder)) > 1 else ("-",):
+            proc = subprocess.run([sys.executable, "-c", _MEMORY, str(folder), str(args.memory_tokens),
+                                   str(drafter == "deferred")], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"memory run failed: {proc.stderr[-1000:]}")
+            mem = json.loads(proc.stdout.strip().splitlines()[-1])
+            weights, kv = weights_and_kv(folder, mem["positions"])
+            own = weights_and_kv(folder, mem["positions"], drafter=mem["drafter_built"] is not False)
+            rows.append({"folder": str(folder), "drafter": drafter, "first": runs[0],
+                         "later": statistics.median(runs[1:]) if len(runs) > 1 else None,
+                         "weights_mb": weights, "kv_mb": kv, "built_mb": sum(own), **mem})
+            print(rows[-1], file=sys.stderr, flush=True)
     m = machine()
     lines = ["# Start-up and memory of `edge-sd generate`", "",
              f"{datetime.date.today().isoformat()}; {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}; "
@@ -98,17 +104,21 @@ def main() -> None:
              f"`python benchmarks/startup.py {' '.join(str(f) for f in args.folders)} --runs {args.runs} "
              f"--memory-tokens {args.memory_tokens}`.", "",
              "| folder | first text, first launch (s) | first text, later launches (s, median) | "
-             "weights (MB) | KV buffers (MB) | resident after loading (MB) | "
+             "drafter session | drafter forwards | weights (MB) | KV buffers (MB) | resident after loading (MB) | "
              f"resident after {args.memory_tokens} tokens (MB) | peak (MB) | after {args.memory_tokens} tokens / "
-             "(weights + KV) | peak / (weights + KV) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "(weights + KV) | peak / (weights + KV) | peak / (weights + KV of the sessions built) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         later = f"{r['later']:.2f}" if r["later"] is not None else "-"
         base = r["weights_mb"] + r["kv_mb"]
-        lines.append(f"| {Path(r['folder']).name} | {r['first']:.2f} | {later} | {r['weights_mb']:.0f} | "
-                     f"{r['kv_mb']:.0f} | {r['loaded']:.0f} | {r['end']:.0f} | {r['peak']:.0f} | "
-                     f"{r['end'] / base:.2f}x | {r['peak'] / base:.2f}x |")
+        built = {None: "-", True: "built", False: "never built"}[r["drafter_built"]]
+        lines.append(f"| {Path(r['folder']).name} | {r['first']:.2f} | {later} | {r['drafter']}: {built} | "
+                     f"{r['drafter_forwards']} | {r['weights_mb']:.0f} | {r['kv_mb']:.0f} | {r['loaded']:.0f} | "
+                     f"{r['end']:.0f} | {r['peak']:.0f} | {r['end'] / base:.2f}x | {r['peak'] / base:.2f}x | "
+                     f"{r['peak'] / r['built_mb']:.2f}x |")
     lines += ["", "Resident memory every 256 tokens (MB):", ""]
-    lines += [f"- {Path(r['folder']).name}: {', '.join(f'{x:.0f}' for x in r['trace'])}" for r in rows]
+    lines += [f"- {Path(r['folder']).name}, drafter {r['drafter']}: {', '.join(f'{x:.0f}' for x in r['trace'])}"
+              for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -123,8 +133,9 @@ def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) / 1e3 for line in f if line.startswith(key))
 
-model = Model.load(sys.argv[1], threads=2)
+model = Model.load(sys.argv[1], threads=2, defer_drafter=sys.argv[3] == "True")
 total = int(sys.argv[2])
+forwards = 0
 loaded = status("VmRSS")
 gen = model.generator(GenerationConfig(max_new_tokens=total))
 gen.append_text("Write a long story about a lighthouse keeper and the ships she watched for forty years.")
@@ -132,11 +143,16 @@ done, trace = 0, []
 while done < total:
     if gen.is_done:  # the reply ended early: another turn keeps the sequence growing
         gen.append_text(" Go on.")
+        forwards += gen.result().stats.drafter_forwards
     done += len(gen.generate_next_tokens().ids)
     if done // 256 > len(trace):
         trace.append(status("VmRSS"))
-print(json.dumps({"loaded": loaded, "end": status("VmRSS"), "peak": status("VmHWM"), "trace": trace,
-                  "positions": len(gen.ids)}))
+end = status("VmRSS")
+gen.stop()  # the reply's statistics are complete once it has ended
+forwards += gen.result().stats.drafter_forwards
+print(json.dumps({"loaded": loaded, "end": end, "peak": status("VmHWM"), "trace": trace,
+                  "positions": len(gen.ids), "drafter_forwards": forwards,
+                  "drafter_built": None if model.drafter is None else model.drafter.session.loaded}))
 """
 
 
