@@ -86,6 +86,11 @@ class EngineManifest:
     # head's kernel gives a single row exactly what it gives that row among several (8-bit weights)
     # while the layers need two. None: min_step_positions. Measured at export.
     min_head_rows: int | None = None
+    # Each GroupQueryAttention also reads the position before the forward's first back from the KV
+    # cache and attends over it too (export/attention_steps.py), so that a one-position step runs the
+    # same attention kernel as a verification forward. Forwards still split at multiples of 64
+    # (engines/ort.py, SPLIT_AT), without re-feeding.
+    previous_row_attention: bool = False
     export_path: str = "optimum"
     # What the graph was made for: "cpu", or "cuda" (the model builder's --device cuda graphs). The
     # builder makes a graph for one device: its fused attention writes the KV cache in place, and a

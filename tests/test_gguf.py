@@ -132,17 +132,23 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
     np.testing.assert_array_equal(rows, sd["model.embed_tokens.weight"])
 
 
-def test_an_8bit_head_computes_one_row_of_a_two_position_step(gguf_root: Path) -> None:
-    """The target's layers step two positions (one-row attention rounds otherwise), but its Q8_0 LM
-    head gives a row alone exactly what it gives it beside another, so a plain step runs the head over
-    one row; the drafter's Q4_1 head only where the export measured it to (4-bit one-row kernels round
-    otherwise on some CPUs)."""
+def test_a_gguf_targets_one_position_steps_compute_what_longer_forwards_do(gguf_root: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row attention rounds otherwise than attention over several rows, and int8 activations
+    carry that into the logits: the builder's graph needed two-position steps. With each attention
+    also reading the previous position back from the cache (export/attention_steps.py), a plain step
+    feeds one position and computes what a verification forward computes, across the split at
+    position 64 too; the same file exported without that needs two."""
+    from edge_sd.engines import consistency
     from edge_sd.engines.ort import OrtEngine
+    from edge_sd.export import attention_steps
+    from edge_sd.export.hf import ExportOptions, export_engine
     from edge_sd.manifest import load_engine_manifest
 
     target, drafter = (load_engine_manifest(gguf_root / "pair" / r) for r in ("target", "drafter"))
-    assert (target.min_step_positions, target.min_head_rows) == (2, 1)
-    assert target.validation["max_rel_diff_head_one_row"] == 0.0
+    assert target.previous_row_attention and not drafter.previous_row_attention
+    assert target.min_step_positions == 1 and target.validation["max_rel_diff_single_position"] == 0.0
+    assert target.validation["max_rel_diff_steps_vs_forward"] == 0.0
     # The drafter's Q4_1 head: whether a 4-bit row alone rounds otherwise than beside another depends
     # on the CPU's kernels (it did on an AVX2-only AMD EPYC, not on an AVX-512 VNNI Xeon); the manifest
     # follows the measurement either way.
@@ -152,9 +158,17 @@ def test_an_8bit_head_computes_one_row_of_a_two_position_step(gguf_root: Path) -
     ids = np.arange(3, 20)
     engine.forward(ids[:-1])
     step = engine.forward(ids[-1:])
-    assert engine._io.get_outputs()[0].shape()[1] == 1  # the head's rows; the layers ran two positions
+    assert engine._io.get_outputs()[0].shape()[1] == 1  # one position fed, one row of logits
     engine.reset()
     np.testing.assert_array_equal(step, engine.forward(ids, last=3)[-1:])
+    rng = np.random.default_rng(1)
+    assert consistency.across_split(engine, rng.integers(3, 500, size=consistency.SPLIT_IDS)) == 0.0
+    # The control: the graph as the builder made it, the same weights.
+    monkeypatch.setattr(attention_steps, "rewrite", lambda path: 0)
+    plain = export_engine(str(gguf_root / "llama.gguf"), tmp_path, ExportOptions(),
+                          tokenizer=str(gguf_root / "llama.tokenizer.json"))
+    assert not plain.previous_row_attention and plain.validation["max_rel_diff_single_position"] > 0.0
+    assert plain.min_step_positions == 2
 
 
 def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path) -> None:

@@ -1,10 +1,11 @@
 """Forwards that cross a multiple of SPLIT_AT positions compute what plain decoding's steps compute.
 
-Plain decoding steps two positions at a time (`min_step_positions` 2); a verification forward covers
-several. On some CPUs a forward that spans position 64 computes its positions otherwise than the steps
-do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as the steps meet it. Checked here as
-the loop would meet it: after plain steps to each length T, a forward of the last S positions (fed
-again) gives every one of its positions the logits the steps gave it (engines/consistency.py,
+Plain decoding steps one position at a time over a graph whose attention reads the previous position
+back from the cache (a gguf target), or two at a time (`min_step_positions` 2); a verification forward
+covers several. On some CPUs a forward that spans position 64 computes its positions otherwise than the
+steps do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as the steps meet it. Checked
+here as the loop would meet it: after plain steps to each length T, a forward of the last S positions
+(fed again) gives every one of its positions the logits the steps gave it (engines/consistency.py,
 across_split, which export validation runs too).
 """
 
@@ -13,13 +14,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edge_sd.engines import ort as ort_engine
 from edge_sd.engines.ort import OrtEngine
 
 
-def test_a_forward_across_a_split_runs_as_plain_steps_meet_it(gguf_root: Path) -> None:
+def test_a_forward_across_a_split_runs_as_one_position_steps_meet_it(gguf_root: Path) -> None:
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    assert engine.min_step == 1 and engine.manifest.previous_row_attention and ort_engine.SPLIT_AT == 64
+    ids = list(range(3, 3 + 80))
+    engine.forward(np.asarray(ids[:62]))
+    fed = record_fed(engine)
+    logits = engine.forward(np.asarray(ids[62:67]))  # positions 62..66, across 64
+    assert fed == [ids[62:64], ids[64:67]]  # its part up to 64, its part from 64: nothing fed again
+    assert logits.shape[0] == 5 and engine.n_cached == 67 and engine.cached_ids.tolist() == ids[:67]
+    engine.truncate(62)
+    first = engine.forward(np.asarray(ids[62:64]))
+    second = engine.forward(np.asarray(ids[64:67]))
+    np.testing.assert_array_equal(logits, np.concatenate([first, second]))
+    # One that starts at 63 is split too (its row 63 as the step ending there gave it); one that
+    # starts at 64, or ends at 64, runs as it is.
+    for start, end, parts in ((63, 67, [ids[63:64], ids[64:67]]), (64, 67, [ids[64:67]]), (60, 64, [ids[60:64]])):
+        fed.clear()
+        engine.truncate(start)
+        engine.forward(np.asarray(ids[start:end]))
+        assert fed == parts and engine.cached_ids.tolist() == ids[:end]
+
+
+def test_a_forward_across_a_split_runs_as_two_position_steps_meet_it(gguf_root: Path) -> None:
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=2)
     assert engine.min_step == 2 and ort_engine.SPLIT_AT == 64
     ids = list(range(3, 3 + 80))
     engine.forward(np.asarray(ids[:62]))
@@ -75,12 +99,15 @@ def record_fed(engine: OrtEngine) -> list[list[int]]:
     return fed
 
 
-def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path) -> None:
+@pytest.mark.parametrize("steps", [None, 2])
+def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path, steps: int | None) -> None:
+    """Steps of one position (the target as exported) or two (the same graph re-feeding)."""
     from edge_sd.engines.consistency import across_split
 
-    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=steps)
     ids = [int(i) for i in np.random.default_rng(0).integers(3, engine.manifest.vocab_size, size=140)]
     assert across_split(engine, ids, range(14, 140)) == 0.0
+    assert engine.min_step == (steps or 1)
 
 
 def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Path, monkeypatch) -> None:

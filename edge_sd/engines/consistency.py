@@ -67,10 +67,11 @@ def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tupl
     reads every row of its forward, the first (the last committed token's) included, so a forward
     that starts just below a split and computes its first row otherwise than the step that wrote it
     changes an output. ids: at least max(ends) of them. An engine not stepping two positions yet is
-    set to (with its head over both); it is left empty."""
+    set to (with its head over both), unless its attention reads the previous position from the cache
+    (manifest `previous_row_attention`), whose steps are of one position; it is left empty."""
     from edge_sd.engines.ort import SPLIT_AT
 
-    if engine.min_step < 2:
+    if engine.min_step < 2 and not engine.manifest.previous_row_attention:
         engine.min_step = engine.head_rows = 2
     ends = ends or range(SPLIT_AT - 4, SPLIT_AT + 8)
     first = max(1, ends.start - max(sizes))  # the first position a forward below starts at
@@ -101,6 +102,12 @@ def _steps_to(engine, ids: np.ndarray, n: int) -> None:
         engine.forward(np.asarray(ids[engine.n_cached : engine.n_cached + 1]))
 
 
+def splits(engine, min_step: int) -> bool:
+    """Whether the engine's forwards split at multiples of SPLIT_AT (engines/ort.py): those of
+    two-position steps, and those of a graph whose attention reads the previous position back."""
+    return min_step > 1 or engine.manifest.previous_row_attention
+
+
 def min_step_for(worst: dict[str, float], kv_layout: str) -> int:
     """2 where single steps are off and forwards of two or more positions agree exactly: the price of
     batch consistency (a re-fed position per step), paid only where it buys exactness; re-feeding
@@ -129,7 +136,8 @@ def check(engine) -> dict:
             engine.reset()
             measure(engine, ids, engine.forward(ids), worst)
         min_step = min_step_for(worst, engine.manifest.kv_layout)
-        if min_step == 2:
+        if splits(engine, min_step):
+            engine.min_step = engine.head_rows = min_step
             worst["small"] = max(worst["small"], across_split(engine, rng.integers(0, vocab, size=SPLIT_IDS)))
     finally:
         engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time = saved

@@ -358,18 +358,23 @@ class OrtEngine:
                 f"{m.name}: {self.n_cached + s} positions would exceed the maximum context of {m.max_context}"
             )
         edge = (self.n_cached // SPLIT_AT + 1) * SPLIT_AT  # the next multiple of SPLIT_AT
-        if split and self.min_step > 1 and self.n_cached + s > edge:
-            # As plain decoding's steps meet it: one forward up to it, then one from the position
-            # before it (fed again), which is where plain decoding last writes that position's cache.
-            # A forward that starts at that position is split too: the step that computed its logits
-            # in plain decoding ended there, and one running on across the edge computed them
-            # otherwise (an AMD EPYC with AVX-512, ONNX Runtime 1.32).
+        if split and (self.min_step > 1 or m.previous_row_attention) and self.n_cached + s > edge:
+            # As plain decoding's steps meet it: one forward up to it, then one from it. With
+            # two-position steps the second starts at the position before it (fed again), which is
+            # where plain decoding last writes that position's cache; and a forward that starts at
+            # that position is split too: the step that computed its logits in plain decoding ended
+            # there, and one running on across the edge computed them otherwise (an AMD EPYC with
+            # AVX-512, ONNX Runtime 1.32). One-position steps over a graph whose attention reads the
+            # previous position from the cache need no re-feeding: the second forward starts at it.
             k = edge - self.n_cached
             n = s if last is None else max(1, min(last, s))
             head = self.forward(ids[:k], last=max(1, n - (s - k)))
-            self.truncate(edge - 1)
-            tail = self.forward(np.concatenate([self._fed[edge - 1 : edge], ids[k:]]), last=min(n, s - k),
-                                split=False)
+            if self.min_step > 1:
+                self.truncate(edge - 1)
+                rest = np.concatenate([self._fed[edge - 1 : edge], ids[k:]])
+            else:
+                rest = ids[k:]
+            tail = self.forward(rest, last=min(n, s - k), split=False)
             return tail if n <= s - k else np.concatenate([head, tail])
         start_time = time.perf_counter()
         back = min(max(self.min_step - s, 0), self.n_cached)  # cached positions fed again

@@ -311,8 +311,16 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         with step(f"carry {Path(src).name}'s quantized weights into the graph (exactly)"):
             quantization = {"source": "gguf", "accuracy_level": ACCURACY_LEVEL,
                             **requantize(dest / "model.onnx", Path(src), ACCURACY_LEVEL)}
+    previous_row = False
+    if gguf and not opts.drafter:
+        # int8 activations round a one-row attention kernel's difference into the logits: the
+        # attention of a target's one-position step takes the previous position from its cache.
+        from edge_sd.export.attention_steps import rewrite
+
+        with step("attention over the previous position too (one-position steps)"):
+            previous_row = rewrite(dest / "model.onnx") > 0
     manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path)
-    manifest = replace(manifest, quantization=quantization)
+    manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row)
     save(manifest, dest)
     if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
         # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU
