@@ -78,8 +78,11 @@ def test_manifests(pipe) -> None:
     q = t.quantization
     assert q["float_matmuls"] == 0 and q["embedding"] == "GatherBlockQuantized, shared with the LM head"
     assert set(q["weights_by_type"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
-    # min_step_positions 2: forwards of two or more positions agree bit for bit (plain steps re-feed one)
-    assert t.min_step_positions == 2 and t.validation["max_rel_diff_steps_vs_forward"] == 0.0
+    # One-position steps agree bit for bit with longer forwards (the attention reads the previous
+    # position back from the cache), so plain steps re-feed nothing.
+    assert t.previous_row_attention and not d.previous_row_attention
+    assert t.min_step_positions == 1 and t.validation["max_rel_diff_single_position"] == 0.0
+    assert t.validation["max_rel_diff_steps_vs_forward"] == 0.0
     assert d.precision == "int4" and d.vocab_size == 49152
     # Both through the model builder: fused attention with a shared KV buffer.
     assert (t.export_path, t.kv_layout, d.export_path, d.kv_layout) == ("builder", "shared", "builder", "shared")

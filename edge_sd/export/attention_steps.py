@@ -46,6 +46,8 @@ def rewrite(model_path: Path) -> int:
 
 
 def rewrite_model(model: Any, where: Path | str = "graph") -> int:
+    """Rewrite the GroupQueryAttention nodes of a loaded model in place (`where` names it in errors);
+    returns how many. Refuses attention nodes it cannot rewrite exactly, naming them."""
     from onnx import helper, numpy_helper
 
     g = model.graph
