@@ -396,9 +396,9 @@ def inspect(
             sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
             return
         fields = ("name", "architecture", "precision", "export_path", "device", "kv_layout", "min_step_positions",
-                  "min_head_rows", "num_layers", "num_kv_heads", "head_dim", "vocab_size", "logits_width",
-                  "bos_token_id", "add_bos", "eos_token_ids", "has_position_ids", "max_context", "sliding_window",
-                  "source")
+                  "min_head_rows", "previous_row_attention", "num_layers", "num_kv_heads", "head_dim", "vocab_size",
+                  "logits_width", "bos_token_id", "add_bos", "eos_token_ids", "has_position_ids", "max_context",
+                  "sliding_window", "source")
         rows = [[f, *(str(getattr(m, f)) for m in manifests.values())] for f in fields]
         rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
                                        for m in manifests.values())])

@@ -188,5 +188,6 @@ def test_tables_are_whole_when_piped(tiny_root: Path) -> None:
     assert r.exit_code == 0
     assert "| source | " in r.stdout and "…" not in r.stdout
     assert "| name | sp_gemma | bl2_qwen |" in r.stdout
+    assert "| previous_row_attention | False | False |" in r.stdout  # fp32 engines: steps as exported
     data = json.loads(run("inspect", str(pair), "--json").stdout)
     assert data["target"]["name"] == "sp_gemma" and data["pair"]["same_vocabulary"] is False
