@@ -102,10 +102,15 @@ def _steps_to(engine, ids: np.ndarray, n: int) -> None:
         engine.forward(np.asarray(ids[engine.n_cached : engine.n_cached + 1]))
 
 
-def splits(engine, min_step: int) -> bool:
-    """Whether the engine's forwards split at multiples of SPLIT_AT (engines/ort.py): those of
-    two-position steps, and those of a graph whose attention reads the previous position back."""
-    return min_step > 1 or engine.manifest.previous_row_attention
+def measure_split(engine, min_step: int, worst: dict[str, float], rng: np.random.Generator, vocab: int) -> bool:
+    """Where the engine's forwards split at multiples of SPLIT_AT (engines/ort.py: with two-position
+    steps, or over a graph whose attention reads the previous position back), add `across_split`,
+    stepping `min_step` positions, to worst["small"]; whether they split."""
+    if min_step < 2 and not engine.manifest.previous_row_attention:
+        return False
+    engine.min_step = engine.head_rows = min_step
+    worst["small"] = max(worst["small"], across_split(engine, rng.integers(0, vocab, size=SPLIT_IDS)))
+    return True
 
 
 def min_step_for(worst: dict[str, float], kv_layout: str) -> int:
@@ -136,9 +141,7 @@ def check(engine) -> dict:
             engine.reset()
             measure(engine, ids, engine.forward(ids), worst)
         min_step = min_step_for(worst, engine.manifest.kv_layout)
-        if splits(engine, min_step):
-            engine.min_step = engine.head_rows = min_step
-            worst["small"] = max(worst["small"], across_split(engine, rng.integers(0, vocab, size=SPLIT_IDS)))
+        measure_split(engine, min_step, worst, rng, vocab)
     finally:
         engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time = saved
         engine.reset()

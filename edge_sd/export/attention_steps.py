@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from edge_sd.errors import ExportError
+from edge_sd.export.gguf_graph import MS_DOMAIN
 
-MS_DOMAIN = "com.microsoft"
 PREFIX = "/previous_row"
 
 

@@ -62,11 +62,9 @@ def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = Fals
     # forwards are exact (fp32 single steps differ by ~1e-6 of the logit scale: near-ties only, as
     # plain decoding against any other kernel order).
     min_step = cons.min_step_for(worst, engine.manifest.kv_layout)
-    if cons.splits(engine, min_step):  # and where the steps' forwards meet a split (engines/ort.py, SPLIT_AT)
-        engine.min_step = engine.head_rows = min_step
-        worst["small"] = max(worst["small"], cons.across_split(engine, rng.integers(0, vocab, size=cons.SPLIT_IDS)))
+    split = cons.measure_split(engine, min_step, worst, rng, vocab)  # forwards as steps meet a split
     consistency = worst["small"] if min_step == 2 else max(worst["single"], worst["multi"],
-                                                                     worst["small"] if cons.splits(engine, 1) else 0.0)
+                                                           worst["small"] if split else 0.0)
     result = {
         "precision": precision,
         "provider": provider,
