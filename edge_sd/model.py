@@ -46,6 +46,7 @@ SESSION_HEAD_START = 0.05
 
 
 _M = TypeVar("_M", bound="Model")  # load() of a subclass (Pipeline) returns that subclass
+_READING = threading.Lock()  # Side: tokenizer reads, one at a time
 
 class Costs(NamedTuple):
     """What the engines cost: seconds of a target forward over s positions (s -> s), of a one-position
@@ -91,8 +92,14 @@ class Side:
         from concurrent.futures import ThreadPoolExecutor
 
         m = load_engine_manifest(folder)
-        vocab = functools.partial(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids,
-                                  cache=folder / CACHE_DIR)
+        read = functools.partial(Vocab.from_file, folder / m.tokenizer_file, m.eos_token_ids, cache=folder / CACHE_DIR)
+
+        def vocab() -> Vocab:
+            # One tokenizer read at a time: they hold Python's lock for most of it anyway, and
+            # CPython 3.11's parser, which np.load's header goes through, is not safe to run in two
+            # threads at once ("AST constructor recursion depth mismatch").
+            with _READING:
+                return read()
         if session is not None or defer:
             self.session = session or _session(folder, provider, threads, verify, spin, drafter, defer=True)
             self.vocab = vocab()
