@@ -78,6 +78,12 @@ def _session(folder: Path, provider: str, threads: int | None, verify: bool, spi
                       min_step_positions=1 if drafter else None, defer=defer)
 
 
+def _head_in_parts(folder: Path) -> bool:
+    """Whether an engine's LM head is computed in parts (its build then holds one part's copy)."""
+    q = load_engine_manifest(folder).quantization or {}
+    return int(q.get("lm_head_parts", 1)) > 1
+
+
 class Side:
     """One engine's session with its tokenizer.
 
@@ -87,8 +93,9 @@ class Side:
 
     def __init__(self, folder: Path, provider: str, threads: int | None, verify: bool, spin: str = "always",
                  drafter: bool = False, session: OrtSession | None = None, defer: bool = False):
-        """session: built already (a pair's target, built alone: Model.load); else built here, or with
-        `defer` (a drafter's) when its first forward needs it."""
+        """session: built already (a pair's target with a whole LM head, built alone: Model.load);
+        else built here, in a thread while the tokenizer is read, or with `defer` (a drafter's) when
+        its first forward needs it."""
         from concurrent.futures import ThreadPoolExecutor
 
         m = load_engine_manifest(folder)
@@ -204,26 +211,37 @@ class Model:
         if (folder / PAIR_FILE).is_file():
             pm = load_pair_manifest(folder)
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
-            # The target's session is built first and alone: ONNX Runtime repacks its weights while
-            # building it, holding the LM head several times over for a moment, which is the load's
-            # peak of memory. The drafter's session, unless deferred, is built after it, outside
-            # Python's lock, while the tokenizers are read (which hold it, one after the other).
+            # ONNX Runtime repacks each quantized weight while it builds a session, holding a copy
+            # beside the weight for a moment: a whole LM head's copy is the load's peak of memory. A
+            # target whose head is in parts (export/logits.py) holds one part's, and its session is
+            # built while its tokenizer is read, as a single engine's is (Side). Another target's is
+            # built first and alone. The drafter's session, unless deferred, is built outside
+            # Python's lock while the tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
+            if _head_in_parts(folder / pm.target):
+                target = Side(folder / pm.target, provider, threads, verify, spin="run")
+                drafter = Side(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
+                               defer=defer_drafter)
+                return cls._pair(folder, pm, target, drafter)
             session = _session(folder / pm.target, provider, threads, verify, "run", drafter=False)
             with ThreadPoolExecutor(1) as pool:
                 loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
                                       defer=defer_drafter)
                 target = Side(folder / pm.target, provider, threads, verify, spin="run", session=session)
                 drafter = loading.result()
-            maps, notes = _load_maps(folder, pm, target, drafter)
-            model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)
-            model.disco = DiscoModel.load(folder)
-            model.kernel = Kernel.load(folder / pm.rdk_file) if pm.rdk_file else None
-            return model
+            return cls._pair(folder, pm, target, drafter)
         if (folder / ENGINE_FILE).is_file():
             return cls(Side(folder, provider, threads, verify), folder=folder)
         raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
+
+    @classmethod
+    def _pair(cls: type[_M], folder: Path, pm: Any, target: Side, drafter: Side) -> _M:
+        maps, notes = _load_maps(folder, pm, target, drafter)
+        model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)
+        model.disco = DiscoModel.load(folder)
+        model.kernel = Kernel.load(folder / pm.rdk_file) if pm.rdk_file else None
+        return model
 
     # Kept under its earlier name: Pipeline.from_folder.
     from_folder = load

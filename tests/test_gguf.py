@@ -4,8 +4,9 @@ here, in a mix of GGML types, exported through the model builder.
 What is checked: every MatMul of the graph computes with the file's blocks (none left in float), the
 weights ONNX Runtime computes with equal transformers' dequantization of the file bit for bit
 (MatMulNBits run at accuracy level 0 on an identity matrix, the offset correction included), the
-token embedding too, an 8-bit LM head computes one row of a two-position step, speculative decoding on
-such a pair equals plain decoding, and a type that cannot be carried exactly is refused by name.
+token embedding too, an 8-bit LM head computes one row of a two-position step, an LM head in parts
+computes the whole head's logits, speculative decoding on such a pair equals plain decoding, and a
+type that cannot be carried exactly is refused by name.
 """
 
 from __future__ import annotations
@@ -169,6 +170,43 @@ def test_a_gguf_targets_one_position_steps_compute_what_longer_forwards_do(gguf_
                           tokenizer=str(gguf_root / "llama.tokenizer.json"))
     assert not plain.previous_row_attention and plain.validation["max_rel_diff_single_position"] > 0.0
     assert plain.min_step_positions == 2
+
+
+def test_an_lm_head_in_parts_computes_the_whole_heads_logits(gguf_root: Path, tmp_path: Path) -> None:
+    """split_lm_head (a real target's 262k-row head in parts, for the memory of a launch) changes
+    which nodes compute the logits, not one bit of them: prefills, one-position steps and forwards
+    across the split at 64 of a copy in parts equal the whole head's."""
+    import shutil
+    from dataclasses import replace
+
+    import onnx
+
+    from edge_sd.engines import consistency
+    from edge_sd.engines.ort import OrtEngine
+    from edge_sd.export.logits import split_lm_head
+    from edge_sd.manifest import file_entries, load_engine_manifest, save
+
+    whole = gguf_root / "pair" / "target"
+    m = load_engine_manifest(whole)
+    assert m.quantization["lm_head_parts"] == 1  # 512 rows: under HEAD_PART_ROWS
+    parted = tmp_path / "target"
+    shutil.copytree(whole, parted, ignore=shutil.ignore_patterns("runtime_cache"))
+    # Parts of whole tiles: a part of 171 rows computed its last columns otherwise (checked).
+    assert split_lm_head(parted / "model.onnx", rows=200) == 3
+    save(replace(m, files=file_entries(parted)), parted)
+    graph = onnx.load(str(parted / "model.onnx"), load_external_data=False).graph
+    parts = [n for n in graph.node if n.name.startswith("/lm_head/MatMul_Q8_part")]
+    assert [onnx.helper.get_node_attr_value(n, "N") for n in parts] == [192, 192, 128]
+    assert split_lm_head(parted / "model.onnx", rows=200) == 1  # a Concat's head is left alone
+
+    a, b = (OrtEngine(f, provider="cpu", threads=2) for f in (whole, parted))
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, 500, size=70)
+    np.testing.assert_array_equal(a.forward(ids[:40]), b.forward(ids[:40]))
+    for t in ids[40:]:  # one-position steps, across position 64
+        np.testing.assert_array_equal(a.forward([t]), b.forward([t]))
+    np.testing.assert_array_equal(a.forward(ids[:5]), b.forward(ids[:5]))  # five rows at once
+    assert consistency.across_split(b, rng.integers(3, 500, size=consistency.SPLIT_IDS)) == 0.0
 
 
 def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path) -> None:

@@ -110,3 +110,43 @@ def test_a_pairs_target_session_is_built_while_nothing_else_loads(tiny_root: Pat
     assert set(spans) == {"session target", "session drafter", "vocab target", "vocab drafter"}
     start, end = spans.pop("session target")
     assert all(s >= end for s, _ in spans.values()), spans
+
+
+def test_a_target_with_its_head_in_parts_is_built_while_its_tokenizer_is_read(
+        tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its build holds one part's repacked copy, not the whole head's (export/logits.py): its session
+    is built in a thread while the tokenizer is read, and the drafter's tokenizer after that. The
+    tiny target's head is small and whole; its manifest is told otherwise, which is all Model.load
+    reads."""
+    import shutil
+    from dataclasses import replace
+
+    from edge_sd.manifest import load_engine_manifest, save
+
+    folder = tmp_path / "pair"
+    shutil.copytree(tiny_root / "pairs" / "llama_qwen", folder, ignore=shutil.ignore_patterns("runtime_cache"))
+    m = load_engine_manifest(folder / "target")
+    save(replace(m, quantization={**(m.quantization or {}), "lm_head_parts": 2}), folder / "target")
+    spans: dict[str, list[float]] = {}
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                time.sleep(0.2)  # longer than the session's head start (model.SESSION_HEAD_START)
+                return fn(*args, **kwargs)
+            finally:
+                where = Path(args[0]) if name == "session" else Path(args[0]).parent
+                spans[f"{name} {where.name}"] = [start, time.perf_counter()]
+        return run
+
+    monkeypatch.setattr(model_module, "_session", timed("session", model_module._session))
+    monkeypatch.setattr(model_module.Vocab, "from_file", timed("vocab", model_module.Vocab.from_file))
+    model = model_module.Model.load(folder, provider="cpu", threads=2)
+    assert model.drafter is not None and not model.drafter.session.loaded
+    session, vocab, drafter = spans["session target"], spans["vocab target"], spans["vocab drafter"]
+    assert vocab[0] < session[1] and session[0] < vocab[1], spans  # the two overlap
+    assert drafter[0] >= vocab[1], spans
+    np.testing.assert_array_equal(model.target.engine.forward([3, 4, 5]),
+                                  model_module.Model.load(tiny_root / "pairs" / "llama_qwen", provider="cpu",
+                                                          threads=2).target.engine.forward([3, 4, 5]))

@@ -18,7 +18,7 @@ from typing import Any
 from edge_sd import __version__
 from edge_sd.engines.providers import available_providers
 from edge_sd.errors import ExportError, UsageError
-from edge_sd.export.logits import add_logits_to_keep, float32_logits
+from edge_sd.export.logits import add_logits_to_keep, float32_logits, split_lm_head
 from edge_sd.manifest import (
     FORMAT_VERSION,
     PRECISIONS,
@@ -311,6 +311,10 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         with step(f"carry {Path(src).name}'s quantized weights into the graph (exactly)"):
             quantization = {"source": "gguf", "accuracy_level": ACCURACY_LEVEL,
                             **requantize(dest / "model.onnx", Path(src), ACCURACY_LEVEL)}
+    if gguf and not opts.drafter:
+        # A target's 262k-row head in parts: ONNX Runtime's repacking at each launch holds one part's
+        # copy at a time, not the whole head's (a drafter's head is small, and RDK prunes it whole).
+        quantization["lm_head_parts"] = split_lm_head(dest / "model.onnx")
     previous_row = False
     if gguf and not opts.drafter:
         # int8 activations round a one-row attention kernel's difference into the logits: the

@@ -1,4 +1,5 @@
-"""Graph edits at the LM head, shared by `logits_to_keep` (here) and pruning (prune.py).
+"""Graph edits at the LM head, shared by `logits_to_keep` and `split_lm_head` (here) and pruning
+(prune.py).
 
 `logits_to_keep` (an int64 input of shape [1]) makes the graph compute logits for the last n
 positions only, as transformers' argument of that name does. A prompt's prefill needs at most the
@@ -18,6 +19,10 @@ import numpy as np
 
 from edge_sd.errors import ExportError
 from edge_sd.manifest import KEEP_INPUT
+
+# An LM head of more rows than this is computed in parts of at most this many (split_lm_head).
+HEAD_PART_ROWS = 65536
+PART_ALIGN = 64
 
 # The elementwise ops that may sit between the LM head's MatMul and the logits output (Gemma-2's final
 # soft-capping: Div, Tanh, Mul); they do not care about the vocabulary width.
@@ -113,6 +118,67 @@ def add_logits_to_keep(path: Path) -> bool:
     drop_shapes(g, [node, *chain])
     save_graph(model, path)
     return True
+
+
+def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
+    """Compute a quantized LM head (MatMulNBits) of more than `rows` rows as several MatMulNBits over
+    row ranges of the same initializers (Slices, which ONNX Runtime folds while optimizing), their
+    logits concatenated. Returns the number of parts (1: left as it was).
+
+    Why: ONNX Runtime repacks a MatMulNBits weight while it builds a session, and where the repacked
+    copy was saved beside the engine (engines/prepared.py) it still computes the copy to find the saved
+    one, and frees it only when that node is done. A 262k-row head is one such copy of about 200 MB
+    beside the 170 MB it is read from, the peak of a launch's memory; in parts, one part's at a time.
+    Each logit is the same dot product over the same quantized input row either way (tests/test_gguf.py
+    compares a split head's logits with the whole head's, bit for bit). Only the graph file is
+    rewritten; another layout than the gguf export's (scales [N, blocks]) is left as it is."""
+    import math
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    if any(n.op_type == "Concat" and "logits" in n.output for n in g.node):
+        return 1  # in parts already
+    node, chain = lm_head(g, path)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    n = int(attrs.get("N", 0))
+    inits = {i.name: i for i in g.initializer}
+    weights = list(node.input[1:])
+    if (node.op_type != "MatMulNBits" or chain or n <= rows or not 2 <= len(weights) <= 3
+            or any(w not in inits or not inits[w].dims or inits[w].dims[0] != n for w in weights)
+            or len(inits[weights[1]].dims) != 2):
+        return 1
+    # Parts of a multiple of 64 rows: the kernel computes the columns of a tile that N leaves over
+    # otherwise than full tiles (measured on the tiny test target, parts of 171 rows), and a multiple
+    # of 64 keeps every part's tiles where the whole head's were.
+    size = math.ceil(math.ceil(n / math.ceil(n / rows)) / PART_ALIGN) * PART_ALIGN
+    parts = math.ceil(n / size)
+    at = list(g.node).index(node)
+    base = node.name
+    g.initializer.append(numpy_helper.from_array(np.array([0], np.int64), f"{base}/part_axes"))
+    new, outputs = [], []
+    for p in range(parts):
+        lo, hi = p * size, min(n, (p + 1) * size)
+        g.initializer.extend([numpy_helper.from_array(np.array([lo], np.int64), f"{base}/part{p}_start"),
+                              numpy_helper.from_array(np.array([hi], np.int64), f"{base}/part{p}_end")])
+        ranges = [f"{base}/part{p}_start", f"{base}/part{p}_end", f"{base}/part_axes"]
+        sliced = [f"{w}/part{p}" for w in weights]
+        new += [helper.make_node("Slice", [w, *ranges], [f"{w}/part{p}"], name=f"{w}/part{p}/Slice") for w in weights]
+        part = helper.make_node("MatMulNBits", [node.input[0], *sliced], [f"{node.output[0]}/part{p}"],
+                                name=f"{base}_part{p}", domain=node.domain)
+        part.attribute.extend(a for a in node.attribute if a.name != "N")
+        part.attribute.append(helper.make_attribute("N", hi - lo))
+        new.append(part)
+        outputs.append(part.output[0])
+    new.append(helper.make_node("Concat", outputs, [node.output[0]], axis=-1, name=f"{base}/Concat"))
+    drop_shapes(g, [node])
+    g.node.remove(node)
+    for i, nd in enumerate(new):
+        g.node.insert(at + i, nd)
+    save_graph(model, path)
+    return parts
 
 
 def float32_logits(path: Path) -> bool:
