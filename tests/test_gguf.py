@@ -93,7 +93,12 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
     # No MatMul is left with a float weight: the only float MatMuls are the offset corrections.
     assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
                 and not n.input[1].endswith("_offsets")]
-    assert ops.count("MatMulNBits") == q["quantized_matmuls"] and "GatherBlockQuantized" in ops
+    # MatMuls that read one input with the same kernel settings are one node (the drafter's gate and
+    # up projections, both Q5_0): named after both, its weights both's rows.
+    fused = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "+" in n.name]
+    assert len(fused) == q["fused_matmuls"] == (m.num_layers if role == "drafter" else 0)
+    merged = sum(n.name.count("+") for n in fused)
+    assert ops.count("MatMulNBits") == q["quantized_matmuls"] - merged and "GatherBlockQuantized" in ops
     # 8-bit storage holds q - z shifted onto the kernel's default zero point: no zero points to read
     # (Q5_0's values are centred on 16, Q6_K's on 32).
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -113,14 +118,14 @@ def test_every_matmul_computes_with_the_files_weights(gguf_root: Path, role: str
         else:
             layer, proj = path.split("/")[2].split(".")[1], path.rsplit("/", 1)[-1]
             group = "self_attn" if "/attn/" in path else "mlp"
-            parts = ["q_proj", "k_proj", "v_proj"] if proj == "qkv_proj" else [proj]
+            parts = ["q_proj", "k_proj", "v_proj"] if proj == "qkv_proj" else proj.split("+")
             expected = np.concatenate([sd[f"model.layers.{layer}.{group}.{p}.weight"] for p in parts])
         # The weights are what the node computes with, plus the offset correction where there is one.
         out = names[f"{matmul}/add_offsets"].output[0] if f"{matmul}/add_offsets" in names else node.output[0]
         eye = np.eye(expected.shape[1], dtype=np.float32)[None]
         got = _run(_subgraph(model, [node.input[0]], out), {node.input[0]: eye})[0]
         np.testing.assert_array_equal(got.T, expected, err_msg=node.name)  # bit for bit
-        checked += 1
+        checked += node.name.count("+") + 1  # the builder's MatMuls this node computes
     assert checked == q["quantized_matmuls"]
     # The token embedding: every row of the table, read through GatherBlockQuantized.
     gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")

@@ -79,6 +79,7 @@ def test_manifests(pipe) -> None:
     assert q["float_matmuls"] == 0 and q["embedding"] == "GatherBlockQuantized, shared with the LM head"
     assert set(q["weights_by_type"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
     assert q["lm_head_parts"] == 4  # 262,144 rows in parts of 65,536 (export/logits.py)
+    assert q["fused_matmuls"] == 18  # each layer's gate and up projections (both Q5_0), one node
     # One-position steps agree bit for bit with longer forwards (the attention reads the previous
     # position back from the cache), so plain steps re-feed nothing.
     assert t.previous_row_attention and not d.previous_row_attention

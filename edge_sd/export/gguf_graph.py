@@ -51,12 +51,14 @@ class Report:
     embedding: str = ""  # how the token embedding is read
     offset_nodes: int = 0  # of those, with the per-block offset correction
     float_nodes: int = 0  # MatMuls left in float (the file's weight is a float type)
+    fused_nodes: int = 0  # MatMulNBits nodes each computing several MatMuls that read one input
     types: dict[str, int] = field(default_factory=dict)  # weights carried, by GGML type
     checked_weights: int = 0  # weights compared with gguf's dequantization (all equal, or an error)
 
     def to_dict(self) -> dict:
         return {"quantized_matmuls": self.nodes, "offset_corrections": self.offset_nodes,
-                "float_matmuls": self.float_nodes, "embedding": self.embedding, "weights_by_type": self.types,
+                "float_matmuls": self.float_nodes, "fused_matmuls": self.fused_nodes,
+                "embedding": self.embedding, "weights_by_type": self.types,
                 "weights_equal_to_gguf_dequantization": self.checked_weights}
 
 
@@ -301,6 +303,49 @@ class _Rewriter:
         for i, nd in enumerate(new):
             self.g.node.insert(at + i, nd)
 
+    def fuse_shared_inputs(self) -> None:
+        """MatMulNBits nodes that read the same input with the same kernel settings (a gate and an
+        up projection) -> one node over their rows stacked, and a Split giving each its own output
+        back: the input is quantized once and the kernel called once, which plain steps measurably
+        gain from (docs/design.md). Each output column is the same dot product as before
+        (tests/test_gguf.py compares every weight bit for bit). Nodes whose weights other nodes read
+        too (a tied LM head) are left as they are."""
+        from onnx import helper
+
+        readers: dict[str, int] = {}
+        for n in self.g.node:
+            for i in n.input:
+                readers[i] = readers.get(i, 0) + 1
+        groups: dict[tuple, list[Any]] = {}
+        for n in self.g.node:
+            if n.op_type != "MatMulNBits" or any(readers[w] != 1 for w in n.input[1:]):
+                continue
+            a = {t.name: helper.get_attribute_value(t) for t in n.attribute}
+            key = (n.input[0], len(n.input), a["K"], a["bits"], a["block_size"], a.get("accuracy_level"))
+            groups.setdefault(key, []).append(n)
+        inits = {i.name: i for i in self.g.initializer}
+        for nodes in (ns for ns in groups.values() if len(ns) > 1):
+            name = _joined([n.name for n in nodes])
+            sizes = [int(helper.get_node_attr_value(n, "N")) for n in nodes]
+            stacked = []
+            for pos, suffix in zip(range(1, len(nodes[0].input)), ("weight", "scales", "zero_points"), strict=False):
+                arrays = [self.to_array(inits[n.input[pos]]) for n in nodes]
+                stacked.append(self.add_init(np.concatenate(arrays, axis=0), f"{name}.{suffix}"))
+                for n in nodes:
+                    self.g.initializer.remove(inits[n.input[pos]])
+            fused = helper.make_node("MatMulNBits", [nodes[0].input[0], *stacked], [f"{name}/output_0"], name=name,
+                                     domain=MS_DOMAIN)
+            fused.attribute.extend(t for t in nodes[0].attribute if t.name != "N")
+            fused.attribute.append(helper.make_attribute("N", sum(sizes)))
+            split = self.add_init(np.array(sizes, np.int64), f"{name}/split")
+            at = min(list(self.g.node).index(n) for n in nodes)
+            for n in nodes:
+                self.g.node.remove(n)
+            self.g.node.insert(at, helper.make_node("Split", [fused.output[0], split], [n.output[0] for n in nodes],
+                                                    axis=-1, name=f"{name}/Split"))
+            self.g.node.insert(at, fused)
+            self.report.fused_nodes += 1
+
     def drop_unused(self) -> None:
         used = {i for n in self.g.node for i in n.input} | {o.name for o in self.g.output}
         for n in [n for n in self.g.node if n.op_type == "Transpose" and not set(n.output) & used]:
@@ -308,6 +353,18 @@ class _Rewriter:
         used = {i for n in self.g.node for i in n.input} | {o.name for o in self.g.output}
         for init in [i for i in self.g.initializer if i.name not in used]:
             self.g.initializer.remove(init)
+
+
+def _joined(names: list[str]) -> str:
+    """One name for nodes whose names differ in one path component: /a/gate_proj/M, /a/up_proj/M ->
+    /a/gate_proj+up_proj/M (the names joined by "+" otherwise)."""
+    parts = [n.split("/") for n in names]
+    if len({len(p) for p in parts}) == 1:
+        differ = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(differ) == 1:
+            i = differ[0]
+            return "/".join([*parts[0][:i], "+".join(p[i] for p in parts), *parts[0][i + 1:]])
+    return "+".join(names)
 
 
 def requantize(model_path: Path, gguf_path: Path, accuracy_level: int) -> dict:
@@ -327,6 +384,7 @@ def requantize(model_path: Path, gguf_path: Path, accuracy_level: int) -> dict:
     for node in [n for n in model.graph.node if n.op_type == "Gather"]:
         if node.input[1] == "input_ids" or "embed" in node.name:
             rw.embedding(node, producer)
+    rw.fuse_shared_inputs()
     rw.drop_unused()
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))

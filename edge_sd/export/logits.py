@@ -127,8 +127,8 @@ def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
 
     Why: ONNX Runtime repacks a MatMulNBits weight while it builds a session, and where the repacked
     copy was saved beside the engine (engines/prepared.py) it still computes the copy to find the saved
-    one, and frees it only when that node is done. A 262k-row head is one such copy of about 200 MB
-    beside the 170 MB it is read from, the peak of a launch's memory; in parts, one part's at a time.
+    one, and frees it only when that node is done. A 262k-row head's copy, beside the head it is read
+    from, is the peak of a launch's memory; in parts, one part's copy is held at a time.
     Each logit is the same dot product over the same quantized input row either way (tests/test_gguf.py
     compares a split head's logits with the whole head's, bit for bit). Only the graph file is
     rewritten; another layout than the gguf export's (scales [N, blocks]) is left as it is."""
