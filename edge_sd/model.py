@@ -35,9 +35,11 @@ from edge_sd.manifest import (
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
 # The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
-# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS.
+# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS. On a noisy
+# 2-core machine a median of 3 could store a drafter step well below what it runs at, and auto then
+# drafted with it where drafting lost; 9 runs cost well under a second more.
 CALIBRATION_CONTEXT = 64
-CALIBRATION_REPEATS = 3
+CALIBRATION_REPEATS = 9
 # Written by `edge-sd calibrate`: the costs measured there, which seeded generations plan with.
 COSTS_FILE = "costs.json"
 # Seconds a session being built gets to reach ONNX Runtime (which lets go of Python's lock) before a

@@ -43,17 +43,17 @@ def test_a_regrown_cache_never_holds_the_old_one_whole(tiny_root: Path, monkeypa
     np.testing.assert_array_equal(steps(engine, IDS), steps(OrtEngine(engine.shared), IDS))
 
 
-# A freed 8 MiB block raises glibc's threshold for mapping to 8 MiB; a 1 MiB block allocated after it
-# then comes from the heap, unless the threshold was fixed. Prints whether it did.
+# A freed 24 MiB block raises glibc's threshold for mapping to 24 MiB; a 12 MiB block allocated after
+# it then comes from the heap, unless the threshold was fixed (at 8 MiB). Prints whether it did.
 _PROBE = """
 import sys
 import numpy as np
 from edge_sd.engines import host_memory
-big = np.ones(8 << 20, dtype=np.uint8)
+big = np.ones(24 << 20, dtype=np.uint8)
 del big
 if sys.argv[1] == "fix":
     assert host_memory.map_large_blocks()
-block = np.ones(1 << 20, dtype=np.uint8)
+block = np.ones(12 << 20, dtype=np.uint8)
 address = block.ctypes.data
 with open("/proc/self/maps") as f:
     heap = [line.split()[0].split("-") for line in f if line.rstrip().endswith("[heap]")]

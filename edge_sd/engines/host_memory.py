@@ -5,10 +5,15 @@ is freed, until a freed mapped block raises that threshold to its size (up to 32
 the blocks an ONNX Runtime forward allocates and frees (logits of up to 17 rows of a 262k vocabulary,
 attention scratch growing with the context) come from the heap, where they interleave with small
 blocks that live on, and the holes they leave are never given back: resident memory climbs through a
-long generation. Fixing the threshold where glibc starts it keeps those blocks mapped. A mapped block
-costs a page fault a page the first time it is written, so the decoding loop's forwards write their
-logits into a buffer the engine reuses (engines/ort.py, `forward(scratch=True)`). A process that sets
-MALLOC_MMAP_THRESHOLD_ keeps its own.
+long generation. Fixing the threshold keeps the largest of them mapped.
+
+It is fixed at 8 MiB, not at glibc's starting 128 KiB: a mapped block costs a page fault a page each
+time a forward writes it, and a forward's blocks between the two (an LM head part's logits, 256 KiB a
+row, export/logits.py) made the target's verification forwards markedly slower when mapped, while
+taking them from the heap left resident memory as flat over a 2048-token generation
+(benchmarks/results/startup.md). A forward's whole-vocabulary logits stay mapped, so the decoding loop
+writes them into a buffer the engine reuses (engines/ort.py, `forward(scratch=True)`). A process that
+sets MALLOC_MMAP_THRESHOLD_ keeps its own.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import platform
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-THRESHOLD = 128 * 1024  # glibc's own starting value
+THRESHOLD = 8 << 20
 
 
 @functools.cache

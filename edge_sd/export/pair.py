@@ -86,7 +86,7 @@ def write_costs(folder: Path) -> None:
     from edge_sd.manifest import write_aside
     from edge_sd.model import COSTS_FILE, Model
 
-    costs = Model.load(folder, provider="cpu").costs(DEFAULT_MAX_LOOKAHEAD)
+    costs = Model.load(folder, provider="cpu").measure_costs(DEFAULT_MAX_LOOKAHEAD)  # not a stored file's
     write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
 
 
