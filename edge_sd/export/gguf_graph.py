@@ -306,8 +306,8 @@ class _Rewriter:
     def fuse_shared_inputs(self) -> None:
         """MatMulNBits nodes that read the same input with the same kernel settings (a gate and an
         up projection) -> one node over their rows stacked, and a Split giving each its own output
-        back: the input is quantized once and the kernel called once, which plain steps measurably
-        gain from (docs/design.md). Each output column is the same dot product as before
+        back: the input is quantized once and the kernel called once (what that saves:
+        docs/design.md). Each output column is the same dot product as before
         (tests/test_gguf.py compares every weight bit for bit). Nodes whose weights other nodes read
         too (a tied LM head) are left as they are."""
         from onnx import helper
