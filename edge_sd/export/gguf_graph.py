@@ -312,6 +312,8 @@ class _Rewriter:
         too (a tied LM head) are left as they are."""
         from onnx import helper
 
+        from edge_sd.export.logits import nbits_like
+
         readers: dict[str, int] = {}
         for n in self.g.node:
             for i in n.input:
@@ -333,10 +335,7 @@ class _Rewriter:
                 stacked.append(self.add_init(np.concatenate(arrays, axis=0), f"{name}.{suffix}"))
                 for n in nodes:
                     self.g.initializer.remove(inits[n.input[pos]])
-            fused = helper.make_node("MatMulNBits", [nodes[0].input[0], *stacked], [f"{name}/output_0"], name=name,
-                                     domain=MS_DOMAIN)
-            fused.attribute.extend(t for t in nodes[0].attribute if t.name != "N")
-            fused.attribute.append(helper.make_attribute("N", sum(sizes)))
+            fused = nbits_like(nodes[0], [nodes[0].input[0], *stacked], f"{name}/output_0", name, sum(sizes))
             split = self.add_init(np.array(sizes, np.int64), f"{name}/split")
             at = min(list(self.g.node).index(n) for n in nodes)
             for n in nodes:

@@ -120,6 +120,16 @@ def add_logits_to_keep(path: Path) -> bool:
     return True
 
 
+def nbits_like(node: Any, inputs: list[str], output: str, name: str, n: int) -> Any:
+    """A MatMulNBits node with `node`'s kernel settings over other inputs, computing n output columns."""
+    from onnx import helper
+
+    made = helper.make_node("MatMulNBits", inputs, [output], name=name, domain=node.domain)
+    made.attribute.extend(a for a in node.attribute if a.name != "N")
+    made.attribute.append(helper.make_attribute("N", n))
+    return made
+
+
 def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
     """Compute a quantized LM head (MatMulNBits) of more than `rows` rows as several MatMulNBits over
     row ranges of the same initializers (Slices, which ONNX Runtime folds while optimizing), their
@@ -165,11 +175,9 @@ def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
                               numpy_helper.from_array(np.array([hi], np.int64), f"{base}/part{p}_end")])
         ranges = [f"{base}/part{p}_start", f"{base}/part{p}_end", f"{base}/part_axes"]
         sliced = [f"{w}/part{p}" for w in weights]
-        new += [helper.make_node("Slice", [w, *ranges], [f"{w}/part{p}"], name=f"{w}/part{p}/Slice") for w in weights]
-        part = helper.make_node("MatMulNBits", [node.input[0], *sliced], [f"{node.output[0]}/part{p}"],
-                                name=f"{base}_part{p}", domain=node.domain)
-        part.attribute.extend(a for a in node.attribute if a.name != "N")
-        part.attribute.append(helper.make_attribute("N", hi - lo))
+        for w, part_w in zip(weights, sliced, strict=True):
+            new.append(helper.make_node("Slice", [w, *ranges], [part_w], name=f"{part_w}/Slice"))
+        part = nbits_like(node, [node.input[0], *sliced], f"{node.output[0]}/part{p}", f"{base}_part{p}", hi - lo)
         new.append(part)
         outputs.append(part.output[0])
     new.append(helper.make_node("Concat", outputs, [node.output[0]], axis=-1, name=f"{base}/Concat"))
