@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import re
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ import numpy as np
 from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.llama_cpp import LlamaCpp, Timing
 from edge_sd.bench.llama_cpp import version as llama_version
-from edge_sd.bench.run import machine
+from edge_sd.bench.run import machine, write_results
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.paths import cache_dir
 from edge_sd.pipeline import GenerationConfig, Pipeline
@@ -149,9 +148,7 @@ def main() -> None:
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     if args.report:
-        result = json.loads((args.out / "llama_cpp.json").read_text())
-        (args.out / "llama_cpp.md").write_text(report(result))
-        plot(result, args.out / "llama_cpp.png")
+        write_results(args.out, "llama_cpp", report, plot)
         return
     if args.llama_bin is None:
         sys.exit("--llama-bin: the folder of llama.cpp's binaries (bash benchmarks/llama_cpp.sh prints it)")
@@ -200,11 +197,7 @@ def main() -> None:
     if args.perplexity:
         result["perplexity"] = perplexity(pipe, fp32, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
                                           args.ctx, args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "llama_cpp.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "llama_cpp.md").write_text(report(result))
-    plot(result, args.out / "llama_cpp.png")
-    print(report(result))
+    print(write_results(args.out, "llama_cpp", report, plot, result))
 
 
 def medians(result: dict) -> dict[str, dict[str, float]]:

@@ -7,6 +7,7 @@ plain decoding of the same prompt, summarised by their median.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -303,3 +304,19 @@ def _run_llama(llama: LlamaCpp, prompt: prompt_sets.Prompt, cfg: Config, max_new
     return Record(engine="llama.cpp", mode=cfg.mode, algorithm=cfg.algorithm, k=0, prompt=prompt.id,
                   new_tokens=t.tokens, wall_s=prefill + t.decode_s, prefill_s=prefill, target_s=prefill + t.decode_s,
                   drafter_s=0.0, target_forwards=0 if drafted else t.tokens, proposed=0, accepted=0)
+
+
+def write_results(out: Path, name: str, report: Callable[[dict], str], plot: Callable[[dict, Path], None],
+                  result: dict | None = None) -> str:
+    """Write a benchmark's result as out/name.json, its table (name.md) and its plot (name.png); with
+    result None (a script's --report), read the JSON written before and write table and plot again.
+    Returns the table."""
+    if result is None:
+        result = json.loads((out / f"{name}.json").read_text())
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = report(result)
+    (out / f"{name}.md").write_text(table)
+    plot(result, out / f"{name}.png")
+    return table
