@@ -402,6 +402,7 @@ def inspect(
         rows = [[f, *(str(getattr(m, f)) for m in manifests.values())] for f in fields]
         rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
                                        for m in manifests.values())])
+        rows.append(["window views", *(_window_views(m.window_views) for m in manifests.values())])
         rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
         from edge_sd.engines import prepared
 
@@ -620,9 +621,19 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
         err.print("wrote " + ", ".join(str(p) for p in files))
 
 
+def _window_views(views: dict) -> str:
+    """`info`'s line for a manifest's window_views."""
+    if not views.get("layers"):
+        return "none"
+    if not views.get("granule"):
+        return f"off ({len(views['layers'])} layers; no exact offset step measured)"
+    return f"{len(views['layers'])} layers, window {views['window']}, offsets in steps of {views['granule']}"
+
+
 def main() -> None:
     app()
 
 
 if __name__ == "__main__":
     main()
+

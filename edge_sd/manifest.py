@@ -33,6 +33,9 @@ KV_LAYOUTS = ("concat", "shared")
 # An optional int64 input of shape [1] (default 0: every position): the graph computes logits for the
 # last n positions only (export/logits.py); an engine without it returns logits for every position fed.
 KEEP_INPUT = "logits_to_keep"
+# The offset from which sliding-window layers read their cache (manifest `window_views`): an int64
+# scalar input with a default of 0, so a host that does not bind it runs as if there were no views.
+WINDOW_INPUT = "window_offset"
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,12 @@ class EngineManifest:
     # same attention kernel as a verification forward. Forwards still split at multiples of 64
     # (engines/ort.py, SPLIT_AT), without re-feeding.
     previous_row_attention: bool = False
+    # Sliding-window layers that may read their cache through a view from an offset (input
+    # `window_offset`, export/attention_steps.py): {"layers": [...], "window": W, "granule": G}. The
+    # offset of a forward whose first new position is p is the largest multiple of G at most p - W - 1
+    # (0 below); G is measured at export, the smallest tried at which views compute bit for bit what
+    # the whole cache does (0: views off). Empty: no such layers.
+    window_views: dict[str, Any] = field(default_factory=dict)
     export_path: str = "optimum"
     # What the graph was made for: "cpu", or "cuda" (the model builder's --device cuda graphs). The
     # builder makes a graph for one device: its fused attention writes the KV cache in place, and a

@@ -239,3 +239,63 @@ def test_scratch_logits_are_the_forwards_own_in_a_reused_buffer(tiny_root: Path)
         start += s
     assert np.shares_memory(views[0], views[-1]) and np.shares_memory(views[0], views[3])
     assert not np.shares_memory(views[4], views[0])  # 20 rows: more than the buffer holds
+
+
+def test_a_window_views_offset_leaves_every_row_its_window() -> None:
+    """engines/ort.py window_offset: the largest multiple of the granule at most start - window - 1,
+    so that the forward's rows (from `start`) and the previous position it reads back lie in the view,
+    over more than window + 1 of its positions; 0 below that, and with views off."""
+    from edge_sd.engines.ort import window_offset
+
+    for window, granule in ((512, 128), (16, 64), (5, 1)):
+        for start in range(0, 3000, 7):
+            offset = window_offset(start, window, granule)
+            assert offset % granule == 0
+            if offset:
+                assert start - window - 1 - granule < offset <= start - window - 1
+            else:
+                assert start - window - 1 < granule
+    assert window_offset(5000, 512, 0) == 0
+
+
+def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_path: Path) -> None:
+    """export/attention_steps.py window_views on the tiny Gemma-3 (five sliding-window layers of 16
+    positions over one key/value head, then a global layer), after the previous-row rewrite: with the
+    offset at 0 every forward computes bit for bit what the graph before did, and a view from an
+    offset reads the same positions of the same buffer (its logits differ from the whole cache's by
+    rounding at most: the kernel sums positions in other blocks). A copy that does not bind the
+    offset runs at 0."""
+    import shutil
+
+    from edge_sd.engines import consistency
+    from edge_sd.export import attention_steps
+    from edge_sd.manifest import file_entries, save
+
+    src = tiny_root / "engines" / "sp_gemma"
+    before, viewed = tmp_path / "before", tmp_path / "viewed"
+    for folder in (before, viewed):
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("runtime_cache"))
+        assert attention_steps.rewrite(folder / "model.onnx") == 6
+    pasts, window = attention_steps.window_views(viewed / "model.onnx")
+    assert window == 16 and pasts == [f"past_key_values.{i}.key" for i in range(5)]
+    m = load_engine_manifest(src)
+    save(replace(m, previous_row_attention=True, files=file_entries(before)), before)
+    views = {"layers": [0, 1, 2, 3, 4], "window": 16, "granule": 0}
+    save(replace(m, previous_row_attention=True, window_views=views, files=file_entries(viewed)), viewed)
+
+    a, b = (OrtEngine(f, provider="cpu", threads=2) for f in (before, viewed))
+    assert b.can_view_windows and not a.can_view_windows
+    rng = np.random.default_rng(5)
+    ids = rng.integers(3, 400, size=200)
+    np.testing.assert_array_equal(a.forward(ids[:30]), b.forward(ids[:30]))
+    for t in ids[30:120]:  # offset 0: the added nodes subtract nothing
+        np.testing.assert_array_equal(a.forward([t]), b.forward([t]))
+    b.window_granule = 32  # views from 32 on: the same keys and values, summed in other blocks
+    worst = 0.0
+    for t in ids[120:190]:
+        x, y = a.forward([t]), b.forward([t])
+        worst = max(worst, float(np.abs(x - y).max()) / float(np.abs(x).max()))
+    assert int(b._offset) >= 128 and worst < consistency.CACHE_RTOL
+    # The export measures the views' step within the context (256 positions): none of its candidates
+    # fits a window of 16 there, so the copy's views stay off.
+    assert consistency.window_granule(b, rng, 400) == 0 and b.window_granule == 0

@@ -169,3 +169,72 @@ def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) 
     ids = ids + [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=210 - len(ids))]
     for ends in (range(56, 76), range(184, 204)):  # every row of forwards of 3, 5 and 17 positions
         assert across_split(engine, ids, ends) == 0.0, ends
+
+
+def _views_against_whole(pipe, granule: int, ids: list[int], start: int, end: int) -> tuple[int, int, int]:
+    """Forwards of 1 to 7 positions from `start` to `end` (some cut back as a rejected draft is) on two
+    engines of the target's session, one whose sliding-window layers read views from offsets that are
+    multiples of `granule`, one whose layers read the whole cache. Returns (forwards, forwards whose
+    logits differ in any bit, the last offset a view started at)."""
+    rng = np.random.default_rng(1)
+    viewed, whole = pipe.target.session.engine(), pipe.target.session.engine()
+    viewed.window_granule, whole.window_granule = granule, 0
+    assert viewed.can_view_windows
+    for e in (viewed, whole):
+        e.reserve(end + 8)
+        e.forward(np.asarray(ids[:start]), last=1)
+    forwards = unequal = offset = 0
+    pos = start
+    while pos < end:
+        s = int(rng.choice([1, 1, 2, 4, 7, 17]))
+        a = viewed.forward(np.asarray(ids[pos : pos + s])).copy()
+        offset = max(offset, int(viewed._offset))
+        forwards += 1
+        unequal += not np.array_equal(a, whole.forward(np.asarray(ids[pos : pos + s])))
+        if s > 1 and rng.random() < 0.5:
+            viewed.truncate(pos + 1)
+            whole.truncate(pos + 1)
+            pos += 1
+        else:
+            pos += s
+    return forwards, unequal, offset
+
+
+def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
+    """Gemma 3's sliding-window layers (15 of 18, a window of 512) read their cache through a view that
+    starts at an offset (manifest window_views, engines/ort.py window_offset): every forward's logits
+    equal, bit for bit, those of an engine reading the whole cache, across offsets 128 to 384. With
+    offsets a multiple of 64 the same comparison finds forwards that differ (the attention kernel sums
+    positions in blocks of 128 on this CPU), so this comparison can fail."""
+    from edge_sd.engines.consistency import WINDOW_GRANULES
+
+    views = pipe.target.manifest.window_views
+    assert views["layers"] == [i for i in range(18) if i % 6 != 5] and views["window"] == 512
+    assert views["granule"] in WINDOW_GRANULES  # measured at export: the smallest that is exact
+    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=1100)]
+    forwards, unequal, offset = _views_against_whole(pipe, views["granule"], ids, 600, 600 + 3 * views["granule"])
+    assert unequal == 0 and forwards > 100 and offset >= 2 * views["granule"]
+    forwards, unequal, offset = _views_against_whole(pipe, 64, ids, 600, 800)
+    assert unequal > 0 and offset > 0
+
+
+def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
+    """Past 641 positions the target's sliding-window layers read views of their cache: auto and
+    SLEM, greedy, give the tokens of plain decoding over the whole cache."""
+    text = "\n".join(PROMPTS * 12)
+    ids = pipe.target.prompt_ids(text, False)[:900]
+    assert len(ids) == 900
+    engine = pipe.target.engine
+    granule, engine.window_granule = engine.window_granule, 0
+    try:
+        plain, gaps = plain_greedy(pipe, ids, NEW_TOKENS)
+    finally:
+        engine.window_granule = granule
+    assert granule > 0
+    for algo in ("auto", "slem"):
+        g = pipe.generator(GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo))
+        g.append_tokens(ids)
+        out: list[int] = []
+        while not g.is_done:
+            out += g.generate_next_tokens().ids
+        assert_same_or_near_tie(out, plain, gaps, f"real/{algo}/long prompt", is_exact(pipe))

@@ -89,6 +89,8 @@ class SharedKV:
         self._past, self._present = _layer_names(m)
         self._host: list[np.ndarray] = []  # CPU: the numpy arrays the OrtValues share memory with
         self._values: list[Any] = []
+        self._offset = 0  # where the layers `view` binds start in their buffers
+        self._views: list[Any] = []  # the OrtValues of those views (bound: kept alive here)
         self.capacity = 0
         self._allocate(capacity, keep=0)
 
@@ -120,11 +122,28 @@ class SharedKV:
                     # regrowth never holds the whole cache twice.
                     old_host[k] = old_values[k] = None
         self._host, self._values, self.capacity = host, values, capacity
+        self._offset, self._views = 0, []  # every layer bound whole again
 
     def ensure(self, total: int, keep: int) -> None:
         if total > self.capacity:
             # Doubling keeps the number of regrowths (each a copy) logarithmic in the length.
             self._allocate(min(self._m.max_context, max(total, 2 * self.capacity)), keep)
+
+    def view(self, offset: int, layers: list[int]) -> None:
+        """Bind these layers' past and present to their buffers from `offset` positions in (0: whole),
+        on the CPU, for buffers of one head (from an offset, one block of memory)."""
+        if offset == self._offset:
+            return
+        views = []
+        for i in layers:
+            for j in range(2):
+                value = self._values[2 * i + j]
+                if offset:
+                    value = ort.OrtValue.ortvalue_from_numpy(self._host[2 * i + j][:, :, offset:], self._device)
+                    views.append(value)
+                self._io.bind_ortvalue_input(self._past[i][j], value)
+                self._io.bind_ortvalue_output(self._present[i][j], value)
+        self._offset, self._views = offset, views
 
     def bind_past(self, start: int) -> list[str]:
         return []  # bound once, in _allocate (a bound OrtValue is not returned again)

@@ -17,7 +17,7 @@ from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
 from edge_sd.engines.providers import PROVIDERS, UNVERIFIED, resolve_providers, tensorrt_options
 from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError
-from edge_sd.manifest import KEEP_INPUT, EngineManifest, check_files, load_engine_manifest
+from edge_sd.manifest import KEEP_INPUT, WINDOW_INPUT, EngineManifest, check_files, load_engine_manifest
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # A shared-buffer cache starts this large (positions) unless told otherwise, and grows by doubling;
@@ -268,6 +268,12 @@ class OrtEngine:
         self._io: Any = None
         self._kv: ConcatKV | SharedKV | None = None
         self._keep: np.ndarray | None = None
+        views = m.window_views
+        self._window, self._window_layers = int(views.get("window", 0)), list(views.get("layers", []))
+        # The offset's step (manifest `window_views`; 0: views off). Export validation sets it on an
+        # engine to measure it (engines/consistency.py, window_granule).
+        self.window_granule = int(views.get("granule", 0))
+        self._offset: np.ndarray | None = None
         if source.loaded:
             self._bind()
 
@@ -289,8 +295,22 @@ class OrtEngine:
             # default is not in the list `bind_cpu_input` checks names against
             self._keep_value = ort.OrtValue.ortvalue_from_numpy(self._keep)
             self._io.bind_ortvalue_input(KEEP_INPUT, self._keep_value)
+        if self._window_layers and isinstance(self._kv, SharedKV) and source.device == "cpu" and m.num_kv_heads == 1:
+            self._offset = np.zeros((), dtype=np.int64)  # bound as _keep is, written before each forward
+            self._offset_value = ort.OrtValue.ortvalue_from_numpy(self._offset)
+            self._io.bind_ortvalue_input(WINDOW_INPUT, self._offset_value)
+        else:
+            self.window_granule = 0  # views are of host memory and of one-head buffers
         logits_type = next(o.type for o in source.session.get_outputs() if o.name == "logits")
         self._logits_dtype = _NP_DTYPES.get(logits_type, np.float32)
+
+    @property
+    def can_view_windows(self) -> bool:
+        """Whether this engine binds its sliding-window layers' views (window_granule picks the
+        offsets; 0 keeps them whole)."""
+        if self._kv is None:
+            self._bind()
+        return self._offset is not None
 
     # What the shared session holds, read through the engine.
     @property
@@ -390,6 +410,10 @@ class OrtEngine:
         kv = self._kv
         assert kv is not None  # bound above
         kv.ensure(total, start)
+        if self._offset is not None and isinstance(kv, SharedKV):
+            offset = window_offset(start, self._window, self.window_granule)
+            kv.view(offset, self._window_layers)
+            self._offset[()] = offset
         io = self._io
         io.bind_cpu_input("input_ids", ids[None])
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
@@ -454,6 +478,17 @@ class OrtEngine:
         if self._kv is not None:
             self._kv.truncate(n)
         self.n_cached = n
+
+
+def window_offset(start: int, window: int, granule: int) -> int:
+    """Where a forward whose first new position is `start` may have its sliding-window layers read
+    their cache from: the largest multiple of `granule` at most start - window - 1 (0 below it, or
+    with granule 0). Every row of the forward, and the previous position it reads back, then attends
+    within the view, and over more than `window` + 1 positions of it, so that the kernel applies the
+    window as it does over the whole cache."""
+    if granule <= 0:
+        return 0
+    return max(0, (start - window - 1) // granule * granule)
 
 
 def _first_line(e: Exception) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 
 from edge_sd.errors import ExportError
 from edge_sd.export.gguf_graph import MS_DOMAIN
+from edge_sd.manifest import WINDOW_INPUT
 
 PREFIX = "/previous_row"
 
@@ -132,3 +133,74 @@ def rewrite_model(model: Any, where: Path | str = "graph") -> int:
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return len(nodes)
+
+
+# --- sliding-window layers over a view of their cache ---------------------------------------------
+#
+# GroupQueryAttention scores every cached position and zeroes those outside a sliding window, so a
+# window layer's work grows with the whole context. Rotated before they are cached (above), keys and
+# values do not depend on where in a buffer they sit: a window layer may as well be given a view of
+# its buffer that starts `window_offset` positions in, as long as the view holds every position its
+# rows attend to. The engine binds such views (engines/ort.py); these nodes turn the forward's
+# geometry into the view's.
+
+WINDOW_PREFIX = "/window_view"
+
+
+def window_views(model_path: Path) -> tuple[list[str], int]:
+    """Make the sliding-window attention nodes of a graph rewritten above read their cache from
+    `window_offset` positions in (an int64 scalar input, 0 unless bound: a host that does not bind it
+    runs as before). Returns the past-key inputs of those nodes and their window, ([], 0) where there
+    are none. Only single-head caches: a view of a [1, heads, capacity, dim] buffer from an offset is
+    one block of memory only with one head."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edge_sd.export.logits import save_graph
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    g = model.graph
+    by_name = {n.name: n for n in g.node}
+    chosen = []
+    for node in g.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("local_window_size", -1) > 0 and attrs.get("kv_num_heads") == 1 \
+                and f"{node.name}/k_cached" in by_name and f"{node.name}/v_cached" in by_name:
+            chosen.append((node, int(attrs["local_window_size"])))
+    if not chosen:
+        return [], 0
+    windows = {w for _, w in chosen}
+    if len(windows) > 1:
+        raise ExportError(f"{model_path}: sliding windows of several sizes ({sorted(windows)}): not supported")
+    g.input.append(helper.make_tensor_value_info(WINDOW_INPUT, TensorProto.INT64, []))
+    g.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), WINDOW_INPUT))
+    new: list[Any] = []
+    shifted: dict[str, str] = {}  # a geometry tensor -> the same counted from the offset
+
+    def shift(name: str, offset: str) -> str:
+        if name not in shifted:
+            shifted[name] = f"{WINDOW_PREFIX}/{name.strip('/').replace('/', '_')}"
+            new.append(helper.make_node("Sub", [name, offset], [shifted[name]], name=shifted[name]))
+        return shifted[name]
+
+    offset32 = f"{WINDOW_PREFIX}/offset_int32"
+    new.append(helper.make_node("Cast", [WINDOW_INPUT], [offset32], name=offset32, to=TensorProto.INT32))
+    for node, _ in chosen:
+        # seqlens_k (int32 [1]) and total_sequence_length (int32 scalar), counted in the view
+        node.input[5], node.input[6] = shift(node.input[5], offset32), shift(node.input[6], offset32)
+        for what in ("k", "v"):  # the previous position read back: [first, start) in the view
+            read = by_name[f"{node.name}/{what}_cached"]
+            read.input[1], read.input[2] = shift(read.input[1], WINDOW_INPUT), shift(read.input[2], WINDOW_INPUT)
+    # The new nodes read tensors computed once for the whole graph: they go in before the first node
+    # that reads what they compute, which comes after those tensors are made.
+    order = list(g.node)
+    made_at = {o: i for i, n in enumerate(order) for o in n.output}
+    first = min(i for i, n in enumerate(order) if any(x in shifted.values() for x in n.input))
+    if max(made_at.get(x, -1) for x in shifted) >= first:
+        raise ExportError(f"{model_path}: the attention's geometry is computed after its first use")
+    del g.node[:]
+    g.node.extend(order[:first] + new + order[first:])
+    save_graph(model, model_path)
+    return [node.input[3] for node, _ in chosen], windows.pop()

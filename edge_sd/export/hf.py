@@ -315,16 +315,23 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         # A target's 262k-row head in parts: ONNX Runtime's repacking at each launch holds one part's
         # copy at a time, not the whole head's (a drafter's head is small, and RDK prunes it whole).
         quantization["lm_head_parts"] = split_lm_head(dest / "model.onnx")
-    previous_row = False
+    previous_row, pasts, window = False, [], 0
     if gguf and not opts.drafter:
         # int8 activations round a one-row attention kernel's difference into the logits: the
         # attention of a target's one-position step takes the previous position from its cache.
-        from edge_sd.export.attention_steps import rewrite
+        from edge_sd.export.attention_steps import rewrite, window_views
 
         with step("attention over the previous position too (one-position steps)"):
             previous_row = rewrite(dest / "model.onnx") > 0
+        if previous_row:
+            with step("sliding-window layers over a view of their cache"):
+                pasts, window = window_views(dest / "model.onnx")
     manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path)
-    manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row)
+    views: dict = {}
+    if previous_row and pasts:
+        layer_of = {manifest.past_key_template.format(i=i): i for i in range(manifest.num_layers)}
+        views = {"layers": sorted(layer_of[p] for p in pasts), "window": window, "granule": 0}  # granule: validation
+    manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row, window_views=views)
     save(manifest, dest)
     if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
         # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU
@@ -334,9 +341,11 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
     elif opts.validate:
         with step(f"validate against torch (subprocess, {opts.device})"):
             figures = run_validation(dest, hf_src, opts.precision, opts.drafter, opts.device)
+        if views:
+            views = {**views, "granule": figures.get("window_granule", 0)}
         manifest = EngineManifest(**{**manifest.__dict__, "validation": figures,
                                      "min_step_positions": figures["min_step_positions"],
-                                     "min_head_rows": figures["min_head_rows"]})
+                                     "min_head_rows": figures["min_head_rows"], "window_views": views})
         save(manifest, dest)
     return manifest
 

@@ -78,6 +78,9 @@ def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = Fals
         "max_rel_diff_head_one_row": worst["head"],
         "min_head_rows": cons.min_head_rows_for(worst, min_step),
         "max_rel_diff_steps_vs_forward": consistency,
+        # Sliding-window layers over views of their cache (manifest window_views): the offsets' step
+        # at which they compute what the whole cache does, bit for bit (0: views off).
+        "window_granule": cons.window_granule(engine, rng, vocab) if not drafter and provider == "cpu" else 0,
         "tolerance_vs_torch": TORCH_RTOL_FP32 if precision == "fp32" else None,
         "top1_floor_vs_torch": TOP1_FLOOR_GGUF if precision == "gguf" and not drafter else None,
         "tolerance_cache": cons.CACHE_RTOL,
