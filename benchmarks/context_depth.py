@@ -138,11 +138,11 @@ def report(result: dict) -> str:
         lines.append(f"| {d} | {e:.1f} | {c:.1f} | {e / c:.2f}x |")
     lines += [
         "",
-        "Why edge-sd's rate falls further: each of its attention layers runs ONNX Runtime's GroupQueryAttention",
-        "over the whole cache. A sliding-window layer's kernel scores every cached position and masks those",
-        "outside the window, and it reads the cache in fp32. llama.cpp (by default) keeps a sliding-window",
-        "layer's cache to its window and stores keys and values in fp16, so its rate stops falling once the",
-        "depth passes the window.",
+        "Where the rates fall: an attention kernel scores every position of the cache it is given. edge-sd",
+        "gives a `gguf` target's sliding-window layers a view of their cache from at most a window and a",
+        "granule before the forward (manifest `window_views`; without it, the whole cache) and its global",
+        "layers the whole cache, in fp32. llama.cpp (by default) keeps a sliding-window layer's cache to its",
+        "window and stores keys and values in fp16.",
     ]
     return "\n".join(lines) + "\n"
 
