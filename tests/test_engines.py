@@ -295,7 +295,7 @@ def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_pa
     for t in ids[120:190]:
         x, y = a.forward([t]), b.forward([t])
         worst = max(worst, float(np.abs(x - y).max()) / float(np.abs(x).max()))
-    assert int(b._offset) >= 128 and worst < consistency.CACHE_RTOL
+    assert b.view_offset >= 128 and worst < consistency.CACHE_RTOL
     # The export measures the views' step within the context (256 positions): none of its candidates
     # fits a window of 16 there, so the copy's views stay off.
     assert consistency.window_granule(b, rng, 400) == 0 and b.window_granule == 0

@@ -172,32 +172,15 @@ def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) 
 
 
 def _views_against_whole(pipe, granule: int, ids: list[int], start: int, end: int) -> tuple[int, int, int]:
-    """Forwards of 1 to 7 positions from `start` to `end` (some cut back as a rejected draft is) on two
-    engines of the target's session, one whose sliding-window layers read views from offsets that are
-    multiples of `granule`, one whose layers read the whole cache. Returns (forwards, forwards whose
-    logits differ in any bit, the last offset a view started at)."""
-    rng = np.random.default_rng(1)
+    """consistency.views_against_whole on two engines of the target's session, one with views from
+    offsets in steps of `granule`, forwards of up to 17 positions (auto's longest verification)."""
+    from edge_sd.engines.consistency import views_against_whole
+
     viewed, whole = pipe.target.session.engine(), pipe.target.session.engine()
     viewed.window_granule, whole.window_granule = granule, 0
     assert viewed.can_view_windows
-    for e in (viewed, whole):
-        e.reserve(end + 8)
-        e.forward(np.asarray(ids[:start]), last=1)
-    forwards = unequal = offset = 0
-    pos = start
-    while pos < end:
-        s = int(rng.choice([1, 1, 2, 4, 7, 17]))
-        a = viewed.forward(np.asarray(ids[pos : pos + s])).copy()
-        offset = max(offset, int(viewed._offset))
-        forwards += 1
-        unequal += not np.array_equal(a, whole.forward(np.asarray(ids[pos : pos + s])))
-        if s > 1 and rng.random() < 0.5:
-            viewed.truncate(pos + 1)
-            whole.truncate(pos + 1)
-            pos += 1
-        else:
-            pos += s
-    return forwards, unequal, offset
+    return views_against_whole(viewed, whole, np.asarray(ids), start, end, np.random.default_rng(1),
+                               sizes=(1, 1, 2, 4, 7, 17))
 
 
 def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:

@@ -155,6 +155,33 @@ def check(engine) -> dict:
 WINDOW_GRANULES = (128, 256, 512, 1024)
 
 
+def views_against_whole(viewed, whole, ids: np.ndarray, start: int, end: int, rng: np.random.Generator,
+                        sizes: tuple[int, ...] = (1, 1, 1, 2, 4, 7), first_only: bool = False) -> tuple[int, int, int]:
+    """Forwards of `sizes` positions (drawn by rng) from `start` to `end` of ids, some cut back as a
+    rejected draft is, on two engines over one session: `viewed`, whose sliding-window layers read
+    views (its window_granule), and `whole`. Returns (forwards, forwards whose logits differ in any
+    bit, the largest offset a view started at); first_only: stop at the first that differs."""
+    for e in (viewed, whole):
+        e.reset()
+        e.reserve(end + max(sizes))
+        e.forward(ids[:start], last=1)
+    forwards = unequal = offset = 0
+    pos = start
+    while pos < end and not (first_only and unequal):
+        s = int(rng.choice(sizes))
+        a = viewed.forward(ids[pos : pos + s]).copy()
+        offset = max(offset, viewed.view_offset)
+        forwards += 1
+        unequal += not np.array_equal(a, whole.forward(ids[pos : pos + s]))
+        if s > 1 and rng.random() < 0.5:  # a draft rejected after its first token
+            viewed.truncate(pos + 1)
+            whole.truncate(pos + 1)
+            pos += 1
+        else:
+            pos += s
+    return forwards, unequal, offset
+
+
 def window_granule(engine, rng: np.random.Generator, vocab: int) -> int:
     """The smallest of WINDOW_GRANULES at which the engine's sliding-window views give every forward
     bit for bit the logits the whole cache gives (another engine over this engine's ONNX Runtime session, views off):
@@ -173,21 +200,7 @@ def window_granule(engine, rng: np.random.Generator, vocab: int) -> int:
                 break
             engine.window_granule = granule
             ids = rng.integers(0, vocab, size=end + 8)
-            for e in (engine, whole):
-                e.reset()
-                e.forward(ids[:start], last=1)
-            pos, equal = start, True
-            while pos < end and equal:
-                s = int(rng.choice([1, 1, 1, 2, 4, 7]))
-                a = engine.forward(ids[pos : pos + s]).copy()
-                equal = np.array_equal(a, whole.forward(ids[pos : pos + s]))
-                if s > 1 and rng.random() < 0.5:  # a draft rejected after its first token
-                    engine.truncate(pos + 1)
-                    whole.truncate(pos + 1)
-                    pos += 1
-                else:
-                    pos += s
-            if equal:
+            if views_against_whole(engine, whole, ids, start, end, rng, first_only=True)[1] == 0:
                 return granule
         return 0
     finally:

@@ -312,6 +312,11 @@ class OrtEngine:
             self._bind()
         return self._offset is not None
 
+    @property
+    def view_offset(self) -> int:
+        """The offset the last forward's sliding-window views started at (0: whole, or no views)."""
+        return int(self._offset) if self._offset is not None else 0
+
     # What the shared session holds, read through the engine.
     @property
     def session(self) -> ort.InferenceSession:
