@@ -6,6 +6,7 @@ End-to-end losslessness of RDK and of every algorithm on pruned drafters is in t
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,28 @@ def test_pruning_with_corpus_lines_longer_than_the_context(tiny_root: Path, tmp_
     assert len(vocabs[0].encode_text(line)) > load_engine_manifest(folder / "drafter").max_context
     stats = prune_pair(folder, 0.5, [line, line])
     assert stats["kernel_sample_positions"] > 0 and stats["pruned_head_max_rel_diff"] <= 1e-4
+
+
+def test_pruning_a_drafter_whose_tokenizer_outgrows_its_head(tiny_root: Path, tmp_path: Path) -> None:
+    """Gemma 3's tokenizer has one token more than its LM head has rows: the calibration reads the
+    drafter's logits over the ids both have, and no kept id lies past the head (pruning the pair
+    failed on the mask's width before)."""
+    import json
+
+    from edge_sd.export.pair import write_pair
+    from edge_sd.manifest import file_entries, save
+
+    folder = tmp_path / "pair"
+    shutil.copytree(tiny_root / "pairs" / "gemma_qwen", folder)
+    dm = load_engine_manifest(folder / "drafter")
+    path = folder / "drafter" / dm.tokenizer_file
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["added_tokens"].append({"id": dm.logits_width, "content": "<extra_0>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})
+    path.write_text(json.dumps(data), encoding="utf-8")
+    save(replace(dm, files=file_entries(folder / "drafter")), folder / "drafter")
+    write_pair(folder, load_engine_manifest(folder / "target"), load_engine_manifest(folder / "drafter"))
+    assert Vocab.from_file(path, dm.eos_token_ids).size == dm.logits_width + 1
+    stats = prune_pair(folder, 1.0, ["\n".join(tiny.corpus())])
+    kept = np.load(folder / "drafter" / "kept_ids.npy")
+    assert stats["drafter_kept"] == len(kept) == dm.logits_width and kept.max() < dm.logits_width

@@ -89,11 +89,14 @@ def frequencies(vocab: Vocab, texts: list[str]) -> np.ndarray:
     return freq
 
 
-def choose_kept(maps: VocabMaps, drafter: Vocab, freq: np.ndarray, fraction: float) -> np.ndarray:
-    """Sorted drafter ids to keep: round(fraction * |D|) of them, EOS always among them."""
+def choose_kept(maps: VocabMaps, drafter: Vocab, freq: np.ndarray, fraction: float,
+                width: int | None = None) -> np.ndarray:
+    """Sorted drafter ids to keep: round(fraction * |D|) of them, EOS always among them. width: the
+    drafter's logits width, where its tokenizer has more tokens than its LM head rows (Gemma 3's
+    262,145 over 262,144): ids past it have no logit to keep."""
     if not 0.0 < fraction <= 1.0:
         raise UsageError(f"--drafter-vocab-keep must be in (0, 1], got {fraction}")
-    size = drafter.size
+    size = drafter.size if width is None else min(drafter.size, width)
     n = max(len(drafter.eos_ids) + 1, round(fraction * size))
     ids = np.arange(size)
     spellable = np.array([bool(b) for b in drafter.token_bytes[:size]])
@@ -151,7 +154,10 @@ def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[
                         chunks: int = SAMPLE_CHUNKS) -> Samples:
     """Run both engines (edge_sd `_Side`s: engine, vocab, manifest) over `chunks` chunks spread evenly
     through each text, keeping the positions where both tokenizers end a token."""
-    twins = maps.intersection[: drafter.vocab.size] >= 0
+    # Each model's logits, cut to the ids both its head and its tokenizer have (a padded head is wider
+    # than the tokenizer; Gemma 3's tokenizer has a token more than its head).
+    d_width = min(drafter.manifest.logits_width, drafter.vocab.size)
+    twins = maps.intersection[:d_width] >= 0
     width = min(target.manifest.logits_width, target.manifest.vocab_size)
     out: list[list[np.ndarray]] = [[], [], [], []]
     for text in texts:
@@ -173,7 +179,7 @@ def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[
             common, d_at, t_at = np.intersect1d(d_ends, t_ends, return_indices=True)
             if not len(common):
                 continue
-            d_top = _sliced_top(drafter.engine, d_pre + d_ids, len(d_pre) + d_at, drafter.vocab.size, twins)
+            d_top = _sliced_top(drafter.engine, d_pre + d_ids, len(d_pre) + d_at, d_width, twins)
             t_top = _sliced_top(target.engine, t_pre + t_ids, len(t_pre) + t_at, width, None)
             for acc, arr in zip(out, (*d_top, *t_top), strict=True):
                 acc.append(arr)
@@ -374,7 +380,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples
     dv = Vocab.from_file(folder / pm.drafter / dm.tokenizer_file, dm.eos_token_ids)
     maps = VocabMaps.load(folder / (pm.maps_file or "maps.npz"))
     d_freq = frequencies(dv, texts)
-    kept = choose_kept(maps, dv, d_freq, fraction)
+    kept = choose_kept(maps, dv, d_freq, fraction, dm.logits_width)
     if samples is None:
         samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
     head_diff = None
