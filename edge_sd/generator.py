@@ -74,7 +74,7 @@ class Generator:
         self.sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
         self.rng = np.random.default_rng(cfg.seed)
         self.make_schedule = make_schedule
-        self.target = model.target.session.engine()
+        self.target = model.target.session.engine(release_window=True)
         self._drafter_engine = model.drafter.session.engine() if model.drafter is not None else None
         self.ids: list[int] = []  # the whole sequence: prompts, replies, later turns
         self.reply_start = 0  # where the current reply begins in `ids`

@@ -258,6 +258,29 @@ def test_a_window_views_offset_leaves_every_row_its_window() -> None:
     assert window_offset(5000, 512, 0) == 0
 
 
+def _gemma_with_views(tiny_root: Path, tmp_path: Path, without: bool = False) -> tuple[Path, Path]:
+    """The tiny Gemma-3 after the previous-row rewrite, with window views (export/attention_steps.py)
+    in `viewed` and, with `without`, without them in `before`."""
+    import shutil
+
+    from edge_sd.export import attention_steps
+    from edge_sd.manifest import file_entries, save
+
+    src = tiny_root / "engines" / "sp_gemma"
+    before, viewed = tmp_path / "before", tmp_path / "viewed"
+    for folder in (before, viewed) if without else (viewed,):
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("runtime_cache"))
+        assert attention_steps.rewrite(folder / "model.onnx") == 6
+    pasts, window = attention_steps.window_views(viewed / "model.onnx")
+    assert window == 16 and pasts == [f"past_key_values.{i}.key" for i in range(5)]
+    m = load_engine_manifest(src)
+    if without:
+        save(replace(m, previous_row_attention=True, files=file_entries(before)), before)
+    views = {"layers": [0, 1, 2, 3, 4], "window": 16, "granule": 0}
+    save(replace(m, previous_row_attention=True, window_views=views, files=file_entries(viewed)), viewed)
+    return before, viewed
+
+
 def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_path: Path) -> None:
     """export/attention_steps.py window_views on the tiny Gemma-3 (five sliding-window layers of 16
     positions over one key/value head, then a global layer), after the previous-row rewrite: with the
@@ -265,24 +288,9 @@ def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_pa
     offset reads the same positions of the same buffer (its logits differ from the whole cache's by
     rounding at most: the kernel sums positions in other blocks). A copy that does not bind the
     offset runs at 0."""
-    import shutil
-
     from edge_sd.engines import consistency
-    from edge_sd.export import attention_steps
-    from edge_sd.manifest import file_entries, save
 
-    src = tiny_root / "engines" / "sp_gemma"
-    before, viewed = tmp_path / "before", tmp_path / "viewed"
-    for folder in (before, viewed):
-        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("runtime_cache"))
-        assert attention_steps.rewrite(folder / "model.onnx") == 6
-    pasts, window = attention_steps.window_views(viewed / "model.onnx")
-    assert window == 16 and pasts == [f"past_key_values.{i}.key" for i in range(5)]
-    m = load_engine_manifest(src)
-    save(replace(m, previous_row_attention=True, files=file_entries(before)), before)
-    views = {"layers": [0, 1, 2, 3, 4], "window": 16, "granule": 0}
-    save(replace(m, previous_row_attention=True, window_views=views, files=file_entries(viewed)), viewed)
-
+    before, viewed = _gemma_with_views(tiny_root, tmp_path, without=True)
     a, b = (OrtEngine(f, provider="cpu", threads=2) for f in (before, viewed))
     assert b.can_view_windows and not a.can_view_windows
     rng = np.random.default_rng(5)
@@ -299,3 +307,39 @@ def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_pa
     # The export measures the views' step within the context (256 positions): none of its candidates
     # fits a window of 16 there, so the copy's views stay off.
     assert consistency.window_granule(b, rng, 400) == 0 and b.window_granule == 0
+
+
+def test_released_window_positions_go_back_to_the_system_and_a_deep_cut_empties_the_cache(
+        tiny_root: Path, tmp_path: Path) -> None:
+    """release_window (a generator's target): as the views move on, the sliding-window layers'
+    positions below them are given back (they read as zeros after; the global layer keeps all of
+    its own), and every forward computes bit for bit what it computes without the release. A cut
+    that a forward would read released positions after empties the cache, and what is fed again
+    from the start computes what a fresh engine does; a shallower cut keeps its positions."""
+    _, viewed = _gemma_with_views(tiny_root, tmp_path)
+    # `freed` starts small: its cache regrows after positions were released (the global layer's are
+    # copied whole, the window layers' from the released ones on).
+    kept = OrtEngine(viewed, provider="cpu", threads=2)
+    freed = OrtEngine(viewed, provider="cpu", threads=2, capacity=64, release_window=True)
+    for e in (kept, freed):
+        e.window_granule = 32
+    ids = np.random.default_rng(6).integers(3, 400, size=220)
+    np.testing.assert_array_equal(kept.forward(ids[:30]), freed.forward(ids[:30]))
+    for t in ids[30:200]:
+        np.testing.assert_array_equal(kept.forward([t]), freed.forward([t]))
+    released = freed.released
+    assert released == freed.view_offset >= 128 and kept.released == 0 and freed.capacity == 256
+    for i in range(5):  # the window layers: nothing below the views in `freed`, their values in `kept`
+        for j in range(2):
+            assert not freed._kv._host[2 * i + j][0, 0, :released].any()
+            assert kept._kv._host[2 * i + j][0, 0, :released].any()
+    assert freed._kv._host[10][0, 0, :released].any()  # layer 5, global: whole
+    freed.truncate(190)  # a forward from 190 views from 160 on: still cached
+    assert freed.n_cached == 190 and freed.released == released
+    freed.truncate(released)  # a forward from there would read below the views
+    assert freed.n_cached == 0 and freed.released == 0
+    fresh = OrtEngine(viewed, provider="cpu", threads=2, release_window=True)
+    fresh.window_granule = 32
+    np.testing.assert_array_equal(freed.forward(ids[:150]), fresh.forward(ids[:150]))
+    for t in ids[150:210]:
+        np.testing.assert_array_equal(freed.forward([t]), fresh.forward([t]))

@@ -29,7 +29,7 @@ def test_a_regrown_cache_never_holds_the_old_one_whole(tiny_root: Path, monkeypa
     alive_at: list[int] = []
     made = kv._mapped_zeros
 
-    def counting(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    def counting(shape: tuple[int, ...], dtype: type) -> tuple[np.ndarray, object]:
         alive_at.append(sum(r() is not None for r in old))
         return made(shape, dtype)
 

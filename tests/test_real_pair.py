@@ -203,7 +203,9 @@ def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
 
 def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
     """Past 641 positions the target's sliding-window layers read views of their cache: auto and
-    SLEM, greedy, give the tokens of plain decoding over the whole cache."""
+    SLEM, greedy, give the tokens of plain decoding over the whole cache. A generator's target gives
+    back the window layers' positions below its views; rewound below them, it feeds the sequence
+    again and continues as a fresh generator would."""
     text = "\n".join(PROMPTS * 12)
     ids = pipe.target.prompt_ids(text, False)[:900]
     assert len(ids) == 900
@@ -221,3 +223,12 @@ def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
         while not g.is_done:
             out += g.generate_next_tokens().ids
         assert_same_or_near_tie(out, plain, gaps, f"real/{algo}/long prompt", is_exact(pipe))
+        assert g.target.released >= 256  # views from 256 (granule 128) or further on
+    g.rewind_to(400)
+    g.append_tokens(ids[400:700])
+    assert g.target.n_cached == 0  # what it held from 400 on needs positions it gave back
+    out = []
+    while not g.is_done:
+        out += g.generate_next_tokens().ids
+    plain, gaps = plain_greedy(pipe, ids[:700], NEW_TOKENS)
+    assert_same_or_near_tie(out, plain, gaps, "real/slem/rewound long prompt", is_exact(pipe))

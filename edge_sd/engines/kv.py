@@ -66,13 +66,18 @@ class ConcatKV:
         ]
 
 
-def _mapped_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """Zeros in a mapping of their own: pages are committed only as positions are written, and all of
-    it goes back to the system when the tensor is dropped. np.zeros may instead take them
-    from the heap (once the allocator has raised its threshold for mapping, which freeing any large
-    block does), where a regrown cache leaves holes that resident memory never gives back."""
+def _mapped_zeros(shape: tuple[int, ...], dtype: type) -> tuple[np.ndarray, mmap.mmap]:
+    """Zeros in a mapping of their own, and the mapping: pages are committed only as positions are
+    written, and all of it goes back to the system when the tensor is dropped (or a range of it, by
+    `SharedKV.release`). np.zeros may instead take them from the heap (once the allocator has raised
+    its threshold for mapping, which freeing any large block does), where a regrown cache leaves
+    holes that resident memory never gives back."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    if hasattr(mmap, "MAP_PRIVATE"):  # private: a released range then reads as zeros and holds no memory
+        mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    else:  # Windows
+        mapping = mmap.mmap(-1, max(nbytes, 1))
+    return np.frombuffer(mapping, dtype=dtype, count=int(np.prod(shape))).reshape(shape), mapping
 
 
 class SharedKV:
@@ -88,9 +93,14 @@ class SharedKV:
         self._dtype = dtype
         self._past, self._present = _layer_names(m)
         self._host: list[np.ndarray] = []  # CPU: the numpy arrays the OrtValues share memory with
+        self._maps: list[mmap.mmap] = []  # ... and the mappings that hold them
         self._values: list[Any] = []
         self._offset = 0  # where the layers `view` binds start in their buffers
         self._views: list[Any] = []  # the OrtValues of those views (bound: kept alive here)
+        # Positions below this in the buffers of these layers were given back to the system (`release`):
+        # they read as zeros, and no forward from a view at or past it reads them.
+        self.released = 0
+        self._released_layers: set[int] = set()
         self.capacity = 0
         self._allocate(capacity, keep=0)
 
@@ -101,17 +111,20 @@ class SharedKV:
         old_host: list[Any] = self._host if cpu else [v.numpy() for v in self._values]
         old_values: list[Any] = self._values
         self._host, self._values = [], []  # the old tensors are held by old_host and old_values alone
-        host, values = [], []
+        host, maps, values = [], [], []
         for i, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
+            # Released positions are zeros in the new buffers too: not copied, so never committed there.
+            first = self.released if cpu and i in self._released_layers else 0
             for j in range(2):
                 k = 2 * i + j
                 if cpu or keep:
-                    arr = _mapped_zeros(shape, self._dtype)
-                    if keep:
-                        arr[:, :, :keep] = old_host[k][:, :, :keep]
+                    arr, mapping = _mapped_zeros(shape, self._dtype)
+                    if keep > first:
+                        arr[:, :, first:keep] = old_host[k][:, :, first:keep]
                     value = ort.OrtValue.ortvalue_from_numpy(arr, self._device)
                     if cpu:
                         host.append(arr)  # the OrtValue borrows this memory: keep it alive
+                        maps.append(mapping)
                 else:
                     value = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._dtype, self._device, 0)
                 values.append(value)
@@ -121,7 +134,7 @@ class SharedKV:
                     # Bound no more: its memory goes back before the next tensor is copied, so that a
                     # regrowth never holds the whole cache twice.
                     old_host[k] = old_values[k] = None
-        self._host, self._values, self.capacity = host, values, capacity
+        self._host, self._maps, self._values, self.capacity = host, maps, values, capacity
         self._offset, self._views = 0, []  # every layer bound whole again
 
     def ensure(self, total: int, keep: int) -> None:
@@ -144,6 +157,22 @@ class SharedKV:
                 self._io.bind_ortvalue_input(self._past[i][j], value)
                 self._io.bind_ortvalue_output(self._present[i][j], value)
         self._offset, self._views = offset, views
+
+    def release(self, below: int, layers: list[int]) -> None:
+        """Give the memory of positions below `below` in these layers' buffers back to the system (on
+        the CPU, for buffers of one head, where positions are consecutive rows): the sliding-window
+        layers' positions that every view from `below` on leaves out. Whole pages only; a page
+        shared with a kept position stays until a later release covers it."""
+        if below <= self.released or not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        row = self._m.head_dim * np.dtype(self._dtype).itemsize
+        end = below * row // mmap.PAGESIZE * mmap.PAGESIZE
+        if end:
+            for i in layers:
+                for j in range(2):
+                    self._maps[2 * i + j].madvise(mmap.MADV_DONTNEED, 0, end)
+        self.released = below
+        self._released_layers = set(layers)
 
     def bind_past(self, start: int) -> list[str]:
         return []  # bound once, in _allocate (a bound OrtValue is not returned again)

@@ -204,9 +204,9 @@ class OrtSession:
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ArtifactError(f"{path}: ONNX Runtime could not load it ({_first_line(e)})") from None
 
-    def engine(self, capacity: int | None = None) -> OrtEngine:
-        """A new engine over this OrtSession: an empty KV cache of its own."""
-        return OrtEngine(self, capacity=capacity)
+    def engine(self, capacity: int | None = None, release_window: bool = False) -> OrtEngine:
+        """A new engine over this OrtSession: an empty KV cache of its own (release_window: OrtEngine's)."""
+        return OrtEngine(self, capacity=capacity, release_window=release_window)
 
 
 # A forward that crosses a multiple of this many positions is run as plain decoding's two-position
@@ -243,9 +243,17 @@ class OrtEngine:
         spin: str = "always",
         capacity: int | None = None,
         min_step_positions: int | None = None,
+        release_window: bool = False,
     ):
         """source: an OrtSession, or an engine folder to load one from (with the other arguments, as
-        OrtSession takes them). capacity: initial KV positions of a shared-layout cache."""
+        OrtSession takes them). capacity: initial KV positions of a shared-layout cache.
+
+        release_window: where sliding-window layers read views of their cache, give the memory of the
+        positions no view will read again back to the system as the views move on, so that those
+        layers hold about a window of positions however long the text (Gemma-3: 15 of 18 layers).
+        Cutting the cache back below the released positions then empties it (`truncate`): the next
+        forward feeds the sequence again. For an engine whose cache only grows but for the cuts of
+        decoding (a generator's target); not for one that measures forwards at chosen positions."""
         if not isinstance(source, OrtSession):
             source = OrtSession(Path(source), provider, threads, verify_files, spin, min_step_positions)
         self.shared = source
@@ -274,6 +282,7 @@ class OrtEngine:
         # engine to measure it (engines/consistency.py, window_granule).
         self.window_granule = int(views.get("granule", 0))
         self._offset: np.ndarray | None = None
+        self.release_window = release_window
         if source.loaded:
             self._bind()
 
@@ -358,9 +367,16 @@ class OrtEngine:
         else:
             self._kv.ensure(n, self.n_cached)
 
+    @property
+    def released(self) -> int:
+        """Positions whose sliding-window cache was given back (release_window); 0: none."""
+        return self._kv.released if isinstance(self._kv, SharedKV) else 0
+
     def reset(self) -> None:
         if self._kv is not None:
             self._kv.truncate(0)
+            if isinstance(self._kv, SharedKV):
+                self._kv.released = 0  # written again from the start, committed again as written
         self.n_cached = 0
 
     def forward(self, ids: np.ndarray, last: int | None = None, split: bool = True, *,
@@ -419,6 +435,8 @@ class OrtEngine:
             offset = window_offset(start, self._window, self.window_granule)
             kv.view(offset, self._window_layers)
             self._offset[()] = offset
+            if self.release_window:
+                kv.release(offset, self._window_layers)
         io = self._io
         io.bind_cpu_input("input_ids", ids[None])
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
@@ -480,6 +498,11 @@ class OrtEngine:
             return
         if n < 0:
             raise ValueError(f"cannot truncate to {n} positions")
+        if self.released and window_offset(n, self._window, self.window_granule) < self.released:
+            # A forward from n would read released positions: the whole cache goes (a rewind deep into
+            # a long text), and the next forward feeds the sequence from its start.
+            self.reset()
+            return
         if self._kv is not None:
             self._kv.truncate(n)
         self.n_cached = n
