@@ -88,11 +88,17 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
     log = tmp_path / "exit"
     cmd = f"{exe} chat {PAIR} -n 3000 --threads 2; echo exited $? > {log}"
 
+    # A server of the test's own, keeping every line: a reply that repeats itself is drafted by prompt
+    # lookup at hundreds of tokens a second, and the prompts counted below must not scroll away.
+    conf = tmp_path / "tmux.conf"
+    conf.write_text("set -g history-limit 100000\n")
+
     def tmux(*args: str) -> str:
-        return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["tmux", "-L", session, "-f", str(conf), *args], capture_output=True, text=True,
+                              check=True).stdout
 
     def screen() -> str:
-        return tmux("capture-pane", "-p", "-t", session, "-S", "-200")
+        return tmux("capture-pane", "-p", "-t", session, "-S", "-")
 
     def prompts(shown: str) -> int:  # capture-pane drops trailing spaces: a bare prompt is ">"
         return sum(line.startswith(">") for line in shown.splitlines())
@@ -126,4 +132,4 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert log.read_text().strip() == "exited 0"
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run(["tmux", "-L", session, "kill-server"], capture_output=True)
