@@ -114,7 +114,7 @@ class SharedKV:
         host, maps, values = [], [], []
         for i, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
             # Released positions are zeros in the new buffers too: not copied, so never committed there.
-            first = self.released if cpu and i in self._released_layers else 0
+            first = self.released if i in self._released_layers else 0
             for j in range(2):
                 k = 2 * i + j
                 if cpu or keep:
@@ -166,11 +166,12 @@ class SharedKV:
         if below <= self.released or not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
             return
         row = self._m.head_dim * np.dtype(self._dtype).itemsize
-        end = below * row // mmap.PAGESIZE * mmap.PAGESIZE
-        if end:
+        # From the page the last release stopped in (pages below it went then) to the last whole page.
+        start, end = (n * row // mmap.PAGESIZE * mmap.PAGESIZE for n in (self.released, below))
+        if end > start:
             for i in layers:
                 for j in range(2):
-                    self._maps[2 * i + j].madvise(mmap.MADV_DONTNEED, 0, end)
+                    self._maps[2 * i + j].madvise(mmap.MADV_DONTNEED, start, end - start)
         self.released = below
         self._released_layers = set(layers)
 
@@ -181,4 +182,7 @@ class SharedKV:
         pass  # written in place
 
     def truncate(self, n: int) -> None:
-        pass  # positions past n are simply not covered by the next call's attention mask
+        # Positions past n are simply not covered by the next call's attention mask; emptied, the
+        # buffers are written again from the start and nothing in them counts as released.
+        if n == 0:
+            self.released, self._released_layers = 0, set()

@@ -375,8 +375,6 @@ class OrtEngine:
     def reset(self) -> None:
         if self._kv is not None:
             self._kv.truncate(0)
-            if isinstance(self._kv, SharedKV):
-                self._kv.released = 0  # written again from the start, committed again as written
         self.n_cached = 0
 
     def forward(self, ids: np.ndarray, last: int | None = None, split: bool = True, *,
