@@ -65,6 +65,50 @@ def test_greedy_equals_transformers_generate(tiny_root: Path, name: str) -> None
         assert ours.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
+@pytest.mark.parametrize("name", ["sp_gemma", "bl_llama"])
+def test_an_fp32_lm_head_in_parts_computes_the_whole_heads_logits(tiny_root: Path, tmp_path: Path, name: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """split_lm_head on an fp32 MatMul head (a target's 262k-row head in parts, for the memory of a
+    launch) changes which nodes compute the logits, not one bit of them; Gemma's head is tied (its
+    embedding reads the weight too, then a Concat of the parts), Llama's is not. Each engine is loaded
+    twice, the second time from the runtime cache its first load saved."""
+    import shutil
+    from dataclasses import replace
+
+    import onnx
+
+    from edge_sd.engines import consistency, prepared
+    from edge_sd.export.logits import split_lm_head
+    from edge_sd.manifest import file_entries, save
+
+    monkeypatch.setattr(prepared, "MIN_BYTES", 0)
+    monkeypatch.delenv(prepared.ENV, raising=False)
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    for folder in (whole, parted):
+        shutil.copytree(tiny_root / "engines" / name, folder, ignore=shutil.ignore_patterns("runtime_cache"))
+    m = load_engine_manifest(whole)
+    n = m.logits_width
+    assert split_lm_head(parted / "model.onnx", rows=n // 3 + 1) == 3
+    save(replace(m, files=file_entries(parted)), parted)
+    graph = onnx.load(str(parted / "model.onnx"), load_external_data=False).graph
+    parts = [nd for nd in graph.node if nd.op_type == "MatMul" and "_part" in nd.name]
+    weights = {i.name: list(i.dims) for i in graph.initializer}
+    columns = [weights[nd.input[1]][1] for nd in parts]  # initializers of their own
+    assert sum(columns) == n and all(c % 64 == 0 for c in columns[:-1])
+    assert split_lm_head(parted / "model.onnx", rows=n // 3 + 1) == 1  # a Concat's head is left alone
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, 300, size=70)
+    for loaded in ("saved", "loaded"):  # built from the graph, then from the one it saved (engines/prepared.py)
+        a, b = (OrtEngine(f, provider="cpu", threads=2) for f in (whole, parted))
+        assert a.shared.graph_cache == b.shared.graph_cache == loaded
+        np.testing.assert_array_equal(a.forward(ids[:40]), b.forward(ids[:40]))
+        for t in ids[40:]:  # one-position steps, across position 64
+            np.testing.assert_array_equal(a.forward([t]), b.forward([t]))
+        np.testing.assert_array_equal(a.forward(ids[:5]), b.forward(ids[:5]))  # five rows at once
+        assert consistency.across_split(b, rng.integers(3, 300, size=consistency.SPLIT_IDS)) == 0.0
+
+
 @pytest.mark.parametrize("name", ["bl_llama", "bl_llama_opt"])
 def test_engine_cache_round_trip(tiny_root: Path, name: str) -> None:
     """Cutting the cache back and re-feeding gives the logits of a fresh run (runtime engine)."""

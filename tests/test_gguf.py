@@ -193,7 +193,7 @@ def test_an_lm_head_in_parts_computes_the_whole_heads_logits(gguf_root: Path, tm
 
     whole = gguf_root / "pair" / "target"
     m = load_engine_manifest(whole)
-    assert m.quantization["lm_head_parts"] == 1  # 512 rows: under HEAD_PART_ROWS
+    assert m.quantization["lm_head_parts"] == 1  # 512 rows: under HEAD_PART_BYTES' worth
     parted = tmp_path / "target"
     shutil.copytree(whole, parted, ignore=shutil.ignore_patterns("runtime_cache"))
     # Parts of whole tiles: a part of 171 rows computed its last columns otherwise (checked).

@@ -311,10 +311,12 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         with step(f"carry {Path(src).name}'s quantized weights into the graph (exactly)"):
             quantization = {"source": "gguf", "accuracy_level": ACCURACY_LEVEL,
                             **requantize(dest / "model.onnx", Path(src), ACCURACY_LEVEL)}
-    if gguf and not opts.drafter:
+    if (gguf or opts.precision == "fp32") and opts.device == "cpu" and not opts.drafter:
         # A target's 262k-row head in parts: ONNX Runtime's repacking at each launch holds one part's
-        # copy at a time, not the whole head's (a drafter's head is small, and RDK prunes it whole).
-        quantization["lm_head_parts"] = split_lm_head(dest / "model.onnx")
+        # copies at a time, not the whole head's (a drafter's head is small, and RDK prunes it whole).
+        parts = split_lm_head(dest / "model.onnx")
+        if gguf or parts > 1:
+            quantization["lm_head_parts"] = parts
     previous_row, pasts, window = False, [], 0
     if gguf and not opts.drafter:
         # int8 activations round a one-row attention kernel's difference into the logits: the

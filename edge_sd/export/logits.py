@@ -20,8 +20,11 @@ import numpy as np
 from edge_sd.errors import ExportError
 from edge_sd.manifest import KEEP_INPUT
 
-# An LM head of more rows than this is computed in parts of at most this many (split_lm_head).
-HEAD_PART_ROWS = 65536
+# An LM head whose weight is larger than this is computed in parts of at most this size
+# (split_lm_head): 65,536 rows of Gemma-3-270M's 8-bit head, 16,384 of its fp32 head. A launch's
+# transient memory grows with a part's size; smaller parts cost an fp32 head's multi-position
+# forwards a little time (benchmarks/results/startup.md).
+HEAD_PART_BYTES = 40 << 20
 PART_ALIGN = 64
 
 # The elementwise ops that may sit between the LM head's MatMul and the logits output (Gemma-2's final
@@ -130,18 +133,22 @@ def nbits_like(node: Any, inputs: list[str], output: str, name: str, n: int) -> 
     return made
 
 
-def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
-    """Compute a quantized LM head (MatMulNBits) of more than `rows` rows as several MatMulNBits over
-    row ranges of the same initializers (Slices, which ONNX Runtime folds while optimizing), their
-    logits concatenated. Returns the number of parts (1: left as it was).
+def split_lm_head(path: Path, rows: int | None = None) -> int:
+    """Compute an LM head of more than `rows` rows (vocabulary entries; default: as many as
+    HEAD_PART_BYTES of its weight hold) in parts, their logits
+    concatenated: a MatMulNBits in the gguf export's layout (scales [N, blocks]) as MatMulNBits over
+    row ranges of the same initializers (Slices, which ONNX Runtime folds while optimizing; only the
+    graph file is rewritten), an fp32 MatMul over an initializer [K, N] as MatMuls over initializers
+    of its own for each column range (the weights file is rewritten: `_matmul_parts`). Other layouts
+    are left as they are. Returns the number of parts (1: left as it was).
 
-    Why: ONNX Runtime repacks a MatMulNBits weight while it builds a session, and where the repacked
-    copy was saved beside the engine (engines/prepared.py) it still computes the copy to find the saved
-    one, and frees it only when that node is done. A 262k-row head's copy, beside the head it is read
-    from, is the peak of a launch's memory; in parts, one part's copy is held at a time.
-    Each logit is the same dot product over the same quantized input row either way (tests/test_gguf.py
-    compares a split head's logits with the whole head's, bit for bit). Only the graph file is
-    rewritten; another layout than the gguf export's (scales [N, blocks]) is left as it is."""
+    Why: ONNX Runtime repacks such a weight while it builds a session, and where the repacked copy was
+    saved beside the engine (engines/prepared.py) it still computes the copy to find the saved one
+    (by the copy's hash), and lets go of the copy and the weight it was packed from only when that
+    weight is done. A 262k-row head's copies, the weight's and the saved one's pages, are the peak of a
+    launch's memory; in parts, one part's are held at a time.
+    Each logit is the same dot product over the same input row either way (tests/test_gguf.py and
+    tests/test_export.py compare a split head's logits with the whole head's, bit for bit)."""
     import math
 
     import onnx
@@ -152,31 +159,42 @@ def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
     if any(n.op_type == "Concat" and "logits" in n.output for n in g.node):
         return 1  # in parts already
     node, chain = lm_head(g, path)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    n = int(attrs.get("N", 0))
     inits = {i.name: i for i in g.initializer}
     weights = list(node.input[1:])
-    if (node.op_type != "MatMulNBits" or chain or n <= rows or not 2 <= len(weights) <= 3
-            or any(w not in inits or not inits[w].dims or inits[w].dims[0] != n for w in weights)
-            or len(inits[weights[1]].dims) != 2):
+    if chain or any(w not in inits or not inits[w].dims for w in weights):
+        return 1
+    if node.op_type == "MatMulNBits":
+        n = int({a.name: helper.get_attribute_value(a) for a in node.attribute}.get("N", 0))
+        if (not 2 <= len(weights) <= 3 or any(inits[w].dims[0] != n for w in weights)
+                or len(inits[weights[1]].dims) != 2):
+            return 1
+        row_bytes = math.prod(inits[weights[0]].dims[1:])  # uint8 blocks
+    else:  # MatMul
+        w = inits[weights[0]] if len(weights) == 1 else None
+        if w is None or len(w.dims) != 2 or w.data_type != onnx.TensorProto.FLOAT:
+            return 1
+        n, row_bytes = int(w.dims[1]), 4 * int(w.dims[0])
+    rows = rows or max(PART_ALIGN, HEAD_PART_BYTES // max(row_bytes, 1))
+    if n <= rows:
         return 1
     # Parts of a multiple of 64 rows: the kernel computes the columns of a tile that N leaves over
     # otherwise than full tiles (measured on the tiny test target, parts of 171 rows), and a multiple
     # of 64 keeps every part's tiles where the whole head's were.
     size = math.ceil(math.ceil(n / math.ceil(n / rows)) / PART_ALIGN) * PART_ALIGN
-    parts = math.ceil(n / size)
+    ranges = [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+    if node.op_type == "MatMul":
+        return _matmul_parts(path, node.name, ranges)
     at = list(g.node).index(node)
     base = node.name
     g.initializer.append(numpy_helper.from_array(np.array([0], np.int64), f"{base}/part_axes"))
     new, outputs = [], []
-    for p in range(parts):
-        lo, hi = p * size, min(n, (p + 1) * size)
+    for p, (lo, hi) in enumerate(ranges):
         g.initializer.extend([numpy_helper.from_array(np.array([lo], np.int64), f"{base}/part{p}_start"),
                               numpy_helper.from_array(np.array([hi], np.int64), f"{base}/part{p}_end")])
-        ranges = [f"{base}/part{p}_start", f"{base}/part{p}_end", f"{base}/part_axes"]
+        bounds = [f"{base}/part{p}_start", f"{base}/part{p}_end", f"{base}/part_axes"]
         sliced = [f"{w}/part{p}" for w in weights]
         for w, part_w in zip(weights, sliced, strict=True):
-            new.append(helper.make_node("Slice", [w, *ranges], [part_w], name=f"{part_w}/Slice"))
+            new.append(helper.make_node("Slice", [w, *bounds], [part_w], name=f"{part_w}/Slice"))
         part = nbits_like(node, [node.input[0], *sliced], f"{node.output[0]}/part{p}", f"{base}_part{p}", hi - lo)
         new.append(part)
         outputs.append(part.output[0])
@@ -186,7 +204,40 @@ def split_lm_head(path: Path, rows: int = HEAD_PART_ROWS) -> int:
     for i, nd in enumerate(new):
         g.node.insert(at + i, nd)
     save_graph(model, path)
-    return parts
+    return len(ranges)
+
+
+def _matmul_parts(path: Path, name: str, ranges: list[tuple[int, int]]) -> int:
+    """The MatMul head `name` over initializers of its own, one per column range. Slices of the
+    weight would do in the graph, but ONNX Runtime folds them into copies while the weight is mapped
+    at an engine's first load, which then holds the head twice over. Whatever else reads the weight (a
+    tied embedding's Transpose) reads a Concat of the parts: folded at the first load as the Transpose
+    is, into the table the lookup reads."""
+    from onnx import helper, numpy_helper
+
+    model = load(path)
+    g = model.graph
+    node = next(nd for nd in g.node if nd.name == name)
+    weight = next(i for i in g.initializer if i.name == node.input[1])
+    w = numpy_helper.to_array(weight)
+    g.initializer.remove(weight)
+    parts = [f"{weight.name}/part{p}" for p in range(len(ranges))]
+    g.initializer.extend(numpy_helper.from_array(np.ascontiguousarray(w[:, lo:hi]), part)
+                         for part, (lo, hi) in zip(parts, ranges, strict=True))
+    del w
+    at = list(g.node).index(node)
+    made = [helper.make_node("MatMul", [node.input[0], part], [f"{node.output[0]}/part{p}"], name=f"{name}_part{p}")
+            for p, part in enumerate(parts)]
+    made.append(helper.make_node("Concat", [m.output[0] for m in made], [node.output[0]], axis=-1,
+                                 name=f"{name}/Concat"))
+    drop_shapes(g, [node])
+    g.node.remove(node)
+    for i, nd in enumerate(made):
+        g.node.insert(at + i, nd)
+    if any(weight.name in nd.input for nd in g.node):
+        g.node.insert(0, helper.make_node("Concat", parts, [weight.name], axis=1, name=f"{weight.name}/Concat"))
+    save(model, path)
+    return len(ranges)
 
 
 def float32_logits(path: Path) -> bool:
