@@ -134,13 +134,13 @@ def nbits_like(node: Any, inputs: list[str], output: str, name: str, n: int) -> 
 
 
 def split_lm_head(path: Path, rows: int | None = None) -> int:
-    """Compute an LM head of more than `rows` rows (vocabulary entries; default: as many as
-    HEAD_PART_BYTES of its weight hold) in parts, their logits
-    concatenated: a MatMulNBits in the gguf export's layout (scales [N, blocks]) as MatMulNBits over
-    row ranges of the same initializers (Slices, which ONNX Runtime folds while optimizing; only the
-    graph file is rewritten), an fp32 MatMul over an initializer [K, N] as MatMuls over initializers
-    of its own for each column range (the weights file is rewritten: `_matmul_parts`). Other layouts
-    are left as they are. Returns the number of parts (1: left as it was).
+    """Compute an LM head of more than `rows` rows (vocabulary entries; by default as many as
+    HEAD_PART_BYTES of its weight hold) in parts, their logits concatenated: a MatMulNBits in the
+    gguf export's layout (scales [N, blocks]) as MatMulNBits over row ranges of the same initializers
+    (Slices, which ONNX Runtime folds while optimizing; only the graph file is rewritten), an fp32
+    MatMul over an initializer [K, N] as MatMuls over initializers of their own, one per column range
+    (the weights file is rewritten: `_matmul_parts`). Other layouts are left as they are. Returns the
+    number of parts (1: left as it was).
 
     Why: ONNX Runtime repacks such a weight while it builds a session, and where the repacked copy was
     saved beside the engine (engines/prepared.py) it still computes the copy to find the saved one
