@@ -9,8 +9,9 @@ with the prompt's seed) on the pair folder, then llama.cpp's plain decoding (`ll
 greedy and sampled) and its drafter-free n-gram speculation (`llama-speculative-simple --spec-type
 ngram-simple`, greedy) on the GGUF file the pair's target was exported from. A slow spell of the
 machine then hits every row alike. The rate compared is the decode rate: new tokens over the time
-after the prompt's prefill (llama.cpp's own `eval time`; for its speculation, the time it reports for
-decoding), with both tools on the same number of threads.
+after the prompt's prefill, choosing the tokens included (for llama-completion, its `eval time` plus
+its sampler's `sampling time`; for its speculation, the time it reports for decoding), with both
+tools on the same number of threads. llama.cpp's rate by its `eval time` alone is reported beside.
 
 Prompt sets: code (HumanEval) and summaries (Lee news articles), from the 5th prompt of each on (the
 first 4 calibrate DISCO in scripts/real_pair.sh), and prose (story and essay openings written for this
@@ -87,7 +88,8 @@ def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, temperature: floa
 
 
 def _llama(timing: Timing) -> dict:
-    return {"tokens": timing.tokens, "decode_s": timing.decode_s, "rate": timing.rate, "accept": timing.accept}
+    return {"tokens": timing.tokens, "decode_s": timing.decode_s, "rate": timing.rate, "accept": timing.accept,
+            "eval_s": timing.eval_s}
 
 
 def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
@@ -266,6 +268,7 @@ def report(result: dict) -> str:
           if "edge-sd plain, fp32" in med else []),
     ):
         lines.append(f"| {name} | " + " | ".join(f"{v:.2f}x" for v in ratios(result, label, against).values()) + " |")
+    lines += _eval_only(result, sets)
     equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
     lines += ["", f"edge-sd auto's greedy output equal to its plain decoding: {equal} of {len(result['records'])} "
               "prompts."]
@@ -280,6 +283,29 @@ def report(result: dict) -> str:
                   f"their second half (llama-perplexity's method, {p['edge_sd_positions']} positions): edge-sd's "
                   f"{result['target_precision']} target {p['edge_sd']:.3f}{fp32_ppl}, llama.cpp {p['llama_cpp']}."]
     return "\n".join(lines) + "\n"
+
+
+def _eval_only(result: dict, sets: list[str]) -> list[str]:
+    """llama-completion's rows timed by its `eval time` alone, without its sampler (how results before
+    2026-12-04's evening timed them), and the ratios above against them."""
+    labels = ("llama.cpp plain", "llama.cpp plain, T=1")
+    if not all(r["runs"][label].get("eval_s") for r in result["records"] for label in labels):
+        return []
+    alone = {"records": [{"set": r["set"], "runs": {**r["runs"], **{
+        label: {"rate": r["runs"][label]["tokens"] / r["runs"][label]["eval_s"]} for label in labels}}}
+        for r in result["records"]], "rows": list(labels)}
+    med = medians(alone)
+    lines = ["", "llama.cpp plain decoding timed by its `eval time` alone (its forwards, without choosing the "
+             "tokens), and the ratios against it:", "",
+             "| row | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
+    for label in labels:
+        lines.append(f"| {label}, eval time alone | " + " | ".join(f"{v:.1f}" for v in med[label].values()) + " |")
+    for name, label, against in (("edge-sd plain / llama.cpp plain", "edge-sd plain", ["llama.cpp plain"]),
+                                 ("edge-sd auto, T=1 / llama.cpp plain, T=1", "edge-sd auto, T=1",
+                                  ["llama.cpp plain, T=1"])):
+        lines.append(f"| {name}, eval time alone | "
+                     + " | ".join(f"{v:.2f}x" for v in ratios(alone, label, against).values()) + " |")
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:

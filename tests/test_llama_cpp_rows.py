@@ -43,7 +43,10 @@ def test_both_tools_logs_are_read() -> None:
     plain = parse(COMPLETION_LOG, speculative=False)
     # The eval line, not the prompt eval line before it: 15 runs after the prompt's.
     assert (plain.tokens, plain.accept) == (15, None)
-    assert (plain.decode_s, plain.prefill_s) == pytest.approx((0.46691, 0.04923))
+    # Decoding: the 15 runs' eval time and the sampler's time for their 15 of the 16 tokens it chose.
+    assert (plain.eval_s, plain.prefill_s) == pytest.approx((0.46691, 0.04923))
+    assert plain.decode_s == pytest.approx(0.46691 + 0.02025 * 15 / 16)
+    assert parse(COMPLETION_LOG.split("\n", 1)[1], speculative=False).decode_s == pytest.approx(0.46691)
     spec = parse(SPECULATIVE_LOG, speculative=True)
     assert (spec.tokens, spec.decode_s, spec.prefill_s, spec.accept) == pytest.approx((17, 0.476, 0.027, 0.75))
     assert spec.rate == pytest.approx(17 / 0.476)
@@ -107,8 +110,9 @@ def test_bench_runs_llama_cpp_rows_beside_edge_sd(tmp_path: Path) -> None:
     assert {("greedy", "llama.cpp", "ar"), ("greedy", "llama.cpp", "ngram"), ("sample", "llama.cpp", "ar")} <= set(rows)
     assert ("sample", "llama.cpp", "ngram") not in rows  # its speculation is compared greedy only
     plain, ngram = rows["greedy", "llama.cpp", "ar"], rows["greedy", "llama.cpp", "ngram"]
-    # Two prompts, each timed as the tool reports: its prefill plus its decoding.
-    assert plain["prompts"] == 2 and plain["tokens_per_s"] == pytest.approx(15 / (0.04923 + 0.46691))
+    # Two prompts, each timed as the tool reports: its prefill plus its decoding (sampling included).
+    decode = 0.46691 + 0.02025 * 15 / 16
+    assert plain["prompts"] == 2 and plain["tokens_per_s"] == pytest.approx(15 / (0.04923 + decode))
     assert ngram["tokens_per_s"] == pytest.approx(17 / (0.027 + 0.476))
     assert plain["identical_to_plain"] is None and ngram["tokens_per_target_forward"] is None
     table = (out / "real_pair.md").read_text()
