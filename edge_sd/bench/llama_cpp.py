@@ -84,10 +84,10 @@ def parse(log: str, speculative: bool, tool: str = "llama.cpp") -> Timing:
     if not m:
         raise RuntimeError(f"no eval time in the output of {tool}: {log[-1500:]}")
     runs, eval_s = int(m.group(2)), float(m.group(1)) / 1e3
-    # `eval time` leaves out choosing each token: over a 262k-entry vocabulary llama.cpp's sampler
-    # took 2 ms a token at temperature 1 with its filters off, a sixth of a step. edge-sd's decode
-    # time includes its own, so the sampler's time goes in too: `sampling time` covers the runs + 1
-    # tokens sampled (the first from the prompt's logits), counted here for the runs' tokens.
+    # `eval time` leaves out choosing each token, which over a large vocabulary with every filter off
+    # is a sizeable share of a step (benchmarks/results/llama_cpp.md). edge-sd's decode time includes
+    # its own, so the sampler's time goes in too: `sampling time` covers the runs + 1 tokens sampled
+    # (the first from the prompt's logits), counted here for the runs' tokens.
     sampling = re.search(r"sampling time =\s*([\d.]+) ms", log)
     sample_s = float(sampling.group(1)) / 1e3 * runs / (runs + 1) if sampling else 0.0
     return Timing(runs, eval_s + sample_s, float(prompt.group(1)) / 1e3 if prompt else None, eval_s=eval_s)
