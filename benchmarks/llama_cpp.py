@@ -286,8 +286,8 @@ def report(result: dict) -> str:
 
 
 def _eval_only(result: dict, sets: list[str]) -> list[str]:
-    """llama-completion's rows timed by its `eval time` alone, without its sampler (how results before
-    2026-12-04's evening timed them), and the ratios above against them."""
+    """llama-completion's rows timed by its `eval time` alone, without its sampler (as results before
+    commit 7f9469c timed them), and the ratios above against them."""
     labels = ("llama.cpp plain", "llama.cpp plain, T=1")
     if not all(r["runs"][label].get("eval_s") for r in result["records"] for label in labels):
         return []
