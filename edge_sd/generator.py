@@ -303,7 +303,7 @@ class Generator:
         model, cfg, rng = self.model, self.sampling, self.rng
         drafter, maps, target = model.drafter, model.maps, model.target.vocab
         # Proposals cover the ids the target can emit: its logits, cut to its tokenizer (loop.Decoder).
-        width = min(model.target.manifest.logits_width, model.target.manifest.vocab_size)
+        width = model.target.manifest.scored_ids
         made: dict[str, Proposer] = {}
 
         def make(algo: str) -> Proposer:

@@ -52,7 +52,7 @@ class Decoder:
         self.stream = stream
         self.stats = stats
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
-        self.width = min(target.manifest.logits_width, target.manifest.vocab_size)
+        self.width = target.manifest.scored_ids
         self._drafter0 = self._drafter_counters()
 
     def prefill(self) -> None:

@@ -112,8 +112,15 @@ class EngineManifest:
     files: list[FileEntry] = field(default_factory=list)
     validation: dict[str, Any] = field(default_factory=dict)
     # How the weights were quantized, where the export did more than name a precision: for gguf, the
-    # weights carried from the file by GGML type and how they were checked (export/gguf_graph.py).
+    # weights carried from the file by GGML type and how they were checked (export/gguf_graph.py); for
+    # gguf and fp32 targets, how many parts the LM head is computed in (export/logits.py).
     quantization: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scored_ids(self) -> int:
+        """How many token ids have both a logit and a token: logits may be wider than the tokenizer (a
+        padded LM head) or narrower (Gemma 3's tokenizer has one token more than its head)."""
+        return min(self.logits_width, self.vocab_size)
 
 
 @dataclass(frozen=True)

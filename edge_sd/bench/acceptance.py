@@ -55,7 +55,7 @@ def measure(pipe: Pipeline, prompt: str, n: int, vs: list[Variant]) -> dict[floa
     cont = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm="ar")).token_ids
     ids = pipe.target.prompt_ids(prompt, False)
     target = pipe.target.engine
-    width = min(target.manifest.logits_width, target.manifest.vocab_size)
+    width = target.manifest.scored_ids
     target.reset()
     target.reserve(len(ids) + len(cont))
     logits = target.forward(np.asarray(ids + cont))[len(ids) - 1 : len(ids) - 1 + len(cont), :width]

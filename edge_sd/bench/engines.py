@@ -53,7 +53,7 @@ class EngineOptions:
 
 def time_forwards(engine: OrtEngine, context: int, k: int, repeats: int, seed: int = 0) -> dict:
     """Medians (ms) of a 1-position forward, a (k+1)-position forward and the cut-back after it."""
-    vocab = min(engine.manifest.vocab_size, engine.manifest.logits_width)
+    vocab = engine.manifest.scored_ids
     ids = np.random.default_rng(seed).integers(3, vocab, size=context + k + 1)
     engine.reset()
     engine.reserve(context + k + 1)

@@ -131,7 +131,7 @@ def check(engine) -> dict:
     """Measure an engine on random ids (N_PROMPTS sequences) and return the figures with the
     `min_step_positions` they call for; the engine is left empty, its counters as they were."""
     rng = np.random.default_rng(0)
-    vocab = min(engine.manifest.vocab_size, engine.manifest.logits_width)
+    vocab = engine.manifest.scored_ids
     saved = engine.min_step, engine.head_rows, engine.forward_count, engine.forward_time
     worst = {"single": 0.0, "multi": 0.0, "small": 0.0, "head": 0.0}
     try:

@@ -90,13 +90,13 @@ def frequencies(vocab: Vocab, texts: list[str]) -> np.ndarray:
 
 
 def choose_kept(maps: VocabMaps, drafter: Vocab, freq: np.ndarray, fraction: float,
-                width: int | None = None) -> np.ndarray:
-    """Sorted drafter ids to keep: round(fraction * |D|) of them, EOS always among them. width: the
-    drafter's logits width, where its tokenizer has more tokens than its LM head rows (Gemma 3's
-    262,145 over 262,144): ids past it have no logit to keep."""
+                size: int | None = None) -> np.ndarray:
+    """Sorted drafter ids to keep: round(fraction * size) of them, EOS always among them. size: how
+    many of the drafter's ids have a logit (its manifest's `scored_ids`; Gemma 3's tokenizer has a
+    token more than its head), by default every token."""
     if not 0.0 < fraction <= 1.0:
         raise UsageError(f"--drafter-vocab-keep must be in (0, 1], got {fraction}")
-    size = drafter.size if width is None else min(drafter.size, width)
+    size = drafter.size if size is None else size
     n = max(len(drafter.eos_ids) + 1, round(fraction * size))
     ids = np.arange(size)
     spellable = np.array([bool(b) for b in drafter.token_bytes[:size]])
@@ -154,11 +154,10 @@ def calibration_samples(target: Any, drafter: Any, maps: VocabMaps, texts: list[
                         chunks: int = SAMPLE_CHUNKS) -> Samples:
     """Run both engines (edge_sd `_Side`s: engine, vocab, manifest) over `chunks` chunks spread evenly
     through each text, keeping the positions where both tokenizers end a token."""
-    # Each model's logits, cut to the ids both its head and its tokenizer have (a padded head is wider
-    # than the tokenizer; Gemma 3's tokenizer has a token more than its head).
-    d_width = min(drafter.manifest.logits_width, drafter.vocab.size)
+    # Each model's logits, cut to the ids with both a logit and a token.
+    d_width = drafter.manifest.scored_ids
     twins = maps.intersection[:d_width] >= 0
-    width = min(target.manifest.logits_width, target.manifest.vocab_size)
+    width = target.manifest.scored_ids
     out: list[list[np.ndarray]] = [[], [], [], []]
     for text in texts:
         lines = text.splitlines(keepends=True)
@@ -380,7 +379,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples
     dv = Vocab.from_file(folder / pm.drafter / dm.tokenizer_file, dm.eos_token_ids)
     maps = VocabMaps.load(folder / (pm.maps_file or "maps.npz"))
     d_freq = frequencies(dv, texts)
-    kept = choose_kept(maps, dv, d_freq, fraction, dm.logits_width)
+    kept = choose_kept(maps, dv, d_freq, fraction, dm.scored_ids)
     if samples is None:
         samples = calibration_samples(_side(folder / pm.target), _side(folder / pm.drafter), maps, texts)
     head_diff = None

@@ -43,7 +43,7 @@ def validate(engine_dir: Path, hf_src: str, precision: str, drafter: bool = Fals
     model = AutoModelForCausalLM.from_pretrained(hf_src, dtype=torch.float32).eval()
     engine = OrtEngine(engine_dir, provider=provider, threads=2, min_step_positions=1)
     rng = np.random.default_rng(0)
-    vocab = min(engine.manifest.vocab_size, engine.manifest.logits_width)
+    vocab = engine.manifest.scored_ids
     worst = {"torch": 0.0, "single": 0.0, "multi": 0.0, "small": 0.0, "head": 0.0}
     top1_agree = []
     for _ in range(cons.N_PROMPTS):
