@@ -14,6 +14,7 @@ from typing import Any, Optional
 try:
     import typer
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 except ImportError as e:  # the runtime alone (pip install edge-sd) has no command line
     raise SystemExit(f"edge-sd's command line needs its extra: pip install 'edge-sd[cli]' ({e})") from None
@@ -51,9 +52,44 @@ def _main(
 THREADS_HELP = "Intra-op threads per engine \\[ONNX Runtime's default: one per physical core]."
 
 
+# The options that set GenerationConfig's fields, for errors that name a field.
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+         "top_p": "--top-p", "min_p": "--min-p", "repetition_penalty": "--repeat-penalty",
+         "repeat_last_n": "--repeat-last-n", "presence_penalty": "--presence-penalty",
+         "frequency_penalty": "--frequency-penalty", "lookahead": "--draft-max"}
+
+
 def _fail(e: EdgeSDError) -> None:
-    err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    message = str(e)
+    field = getattr(e, "field", None)
+    if field in FLAGS and message.startswith(field):
+        message = FLAGS[field] + message[len(field):]
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(e.exit_code)
+
+
+# The sampler chain's options, shared by generate, chat and bench (llama.cpp's spellings too).
+TEMPERATURE = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy.")
+TOP_K = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
+TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: the fewest tokens holding this mass (1 = off).")
+MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below this fraction of the top token's probability "
+                     "(0 = off).")
+REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty", "--repetition-penalty", help="Divide (multiply, if "
+                              "negative) the logits of tokens in the last --repeat-last-n (1 = off).")
+REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="The penalties' window in tokens, prompt included "
+                             "(-1 = all, 0 = penalties off).")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="Subtract from tokens in the window (OpenAI's, "
+                                "-2..2; 0 = off).")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="Subtract this times each token's count in "
+                                 "the window (OpenAI's, -2..2; 0 = off).")
+
+
+def _chain(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+           repeat_last_n: int, presence_penalty: float, frequency_penalty: float) -> dict[str, Any]:
+    """GenerationConfig's sampling fields from the shared options."""
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repetition_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
 
 
 @contextmanager
@@ -205,9 +241,14 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (else --prompt-file or stdin)."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    min_p: float = MIN_P,
+    repeat_penalty: float = REPEAT_PENALTY,
+    repeat_last_n: int = REPEAT_LAST_N,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
     seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same output "
                                        "(every algorithm, auto included)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable): the text ends before it."),
@@ -233,6 +274,9 @@ def generate(
 ) -> None:
     """Generate text: speculative decoding on a pair folder, plain decoding on a single engine.
 
+    Sampling applies penalties, temperature, top-k, top-p, min-p in this order (as Hugging Face and
+    vLLM do; llama.cpp with --samplers "penalties;temperature;top_k;top_p;min_p").
+
     Examples:
 
       edge-sd generate engines/gemma3-270m_smollm2-135m -p "The capital of France is" -n 32
@@ -240,14 +284,17 @@ def generate(
       echo "def fib(n):" | edge-sd generate engines/pair -a slrs --draft-max 4 --json
 
       edge-sd generate engines/pair -p "Tell me a story" --chat --temperature 0.8 --seed 1
+
+      edge-sd generate engines/pair -p "Once upon a time" --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05
     """
     with _errors():
         from edge_sd.pipeline import GenerationConfig, Pipeline
 
         text = _read_prompt(prompt, prompt_file)
         cfg = GenerationConfig(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=tuple(stop), include_stop=include_stop, chat=chat, algorithm=algorithm,
+            max_new_tokens=max_new_tokens, seed=seed,
+            **_chain(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
+                     frequency_penalty), stop=tuple(stop), include_stop=include_stop, chat=chat, algorithm=algorithm,
             lookahead=draft_max, schedule=schedule,
         )
         cfg.check()
@@ -279,9 +326,14 @@ def generate(
 def chat(
     folder: Path = typer.Argument(..., help="Pair folder or single-engine folder (with a chat template)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Tokens per reply at most."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    min_p: float = MIN_P,
+    repeat_penalty: float = REPEAT_PENALTY,
+    repeat_last_n: int = REPEAT_LAST_N,
+    presence_penalty: float = PRESENCE_PENALTY,
+    frequency_penalty: float = FREQUENCY_PENALTY,
     seed: Optional[int] = typer.Option(None, "--seed", "-s", help="Sampling seed: same seed, same conversation."),
     algorithm: str = typer.Option("auto", "--algorithm", "-a",
                                   help="auto|plain|slem|tli|slrs|rdk|lookup|standard|lookup+X."),
@@ -301,13 +353,16 @@ def chat(
       edge-sd chat engines/gemma3-270m_smollm2-135m
 
       printf 'Name three colors\nAnd three animals\n' | edge-sd chat engines/pair -n 64
+
+      edge-sd chat engines/pair --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --repeat-penalty 1.1
     """
     with _errors():
         from edge_sd.model import Model
         from edge_sd.pipeline import GenerationConfig
 
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               seed=seed, algorithm=algorithm, lookahead=draft_max).check()
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed, algorithm=algorithm, lookahead=draft_max,
+                               **_chain(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                                        presence_penalty, frequency_penalty)).check()
         model = Model.load(folder, provider=provider, threads=threads)
         if not model.target.manifest.chat_template:
             raise UsageError(f"{folder} has no chat template: use `edge-sd generate`")

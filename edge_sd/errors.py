@@ -10,9 +10,14 @@ class EdgeSDError(Exception):
 
 
 class UsageError(EdgeSDError):
-    """The caller asked for something that cannot work (bad option, empty prompt...)."""
+    """The caller asked for something that cannot work (bad option, empty prompt...). field: the
+    setting at fault, where one is (the command line names its option instead)."""
 
     exit_code = 2
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class ArtifactError(EdgeSDError):

@@ -46,7 +46,6 @@ from edge_sd.lookahead import (
 )
 from edge_sd.loop import Decoder, Emitted
 from edge_sd.model import Costs, Model, render_chat
-from edge_sd.sampling import SamplingConfig
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
@@ -71,7 +70,7 @@ class Generator:
         self.model = model
         self.config = cfg = (config or GenerationConfig()).check()
         self.algorithm = model.resolve_algorithm(cfg)
-        self.sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+        self.sampling = cfg.sampling
         self.rng = np.random.default_rng(cfg.seed)
         self.make_schedule = make_schedule
         self.target = model.target.session.engine(release_window=True)
@@ -392,7 +391,7 @@ class Generator:
             else:
                 self._own_schedule.rebind(proposers)
             return self._own_schedule
-        key = (greedy, cfg.top_k, cfg.top_p, cfg.temperature, k, longest, tuple(proposers))
+        key = (self.sampling, k, longest, tuple(proposers))
         schedule = model.borrow_schedule(key)
         if schedule is None:
             schedule = _new_cost_schedule(proposers, k, longest, model.costs(longest), greedy, learn_costs=True)

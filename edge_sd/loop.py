@@ -105,14 +105,16 @@ class Decoder:
         fed = np.asarray([committed[-1]] + [max(c, 0) for c in cands])
         logits = target.forward(fed, scratch=True)[:, : self.width]
         target_s = target.forward_time - before  # logits: [m+1, V]
+        # Row i's penalties count the committed tokens and the candidates before it.
+        rows = Rows(logits, self.cfg, self.cfg.window(committed), cands)
         if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
-            a, nxt = verify_greedy(cands, logits)
+            a, nxt = verify_greedy(cands, rows.penalized() if self.cfg.penalized else logits)
         elif not cands:  # a plain sampled step
-            a, nxt = 0, draw(logits[0], self.cfg, self.rng)
+            a, nxt = 0, draw(logits[0], self.cfg, self.rng, rows.history)
         else:
             verify = plan.proposer.verifier if plan.proposer else verify_standard
             q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
-            a, nxt = verify(cands, q, Rows(logits, self.cfg), self.rng)
+            a, nxt = verify(cands, q, rows, self.rng)
         target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
         self.stats.count_round(len(cands), a, target_s)
         new, text = stream.push(cands[:a] + [nxt])

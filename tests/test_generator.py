@@ -170,7 +170,7 @@ def test_unseeded_auto_follows_live_timings(tiny_root: Path) -> None:
     """Without a seed, auto's schedule carries its costs and acceptance from one request to the next."""
     model = Pipeline.from_folder(tiny_root / "pairs" / "gemma_qwen", provider=PROVIDER, threads=2)
     model.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16))
-    key = next(k for k in model._schedules if k[0])
+    key = next(k for k in model._schedules if k[0].greedy)
     schedule = model._schedules[key][0]
     assert schedule.costs.learn and schedule.idle_generations >= 0
     model.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16))

@@ -15,6 +15,7 @@ from edge_sd.lookahead import (
     HeuristicSchedule,
     Round,
 )
+from edge_sd.sampling import SamplingConfig
 
 K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
@@ -342,7 +343,7 @@ def test_auto_decodes_plainly_while_the_drafters_catching_up_would_not_pay(pipel
     first = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, schedule="cost"))
     assert pipe.costs(6).position > 0 and first.stats.schedule["catch_up_ms_per_position"] > 0
     # greedy; the longest draft 6, a lookup's 16
-    sched = pipe._schedules[(True, 0, 1.0, 0.0, 6, 16, ("slem", "lookup", "lookup+slem"))][0]
+    sched = pipe._schedules[(SamplingConfig(), 6, 16, ("slem", "lookup", "lookup+slem"))][0]
     kept = sched.costs.catch_up.value
     try:
         sched.costs.catch_up.value = 10.0  # seconds a position: nothing 24 tokens gain pays for that

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, StopRule
-from edge_sd.sampling import Probs, sample
+from edge_sd.sampling import Probs, Rows
 
 # Longest and shortest suffix matched: longer matches are tried first (they predict better); single
 # tokens match almost anywhere and predict little.
@@ -29,17 +29,14 @@ def verify_point(candidates: list[int], q: np.ndarray | None, p: Probs,
     """Speculative sampling of deterministic proposals: accept c_i with probability p_i(c_i); at the
     first rejection emit a sample of p_i without c_i (renormalised); if all pass, a sample of p_{m+1}.
     p: [m+1, V]; q is not used (each proposal is a point mass). Returns (accepted, next token)."""
+    rows = Rows.of(p)
     for i, c in enumerate(candidates):
-        if c >= 0 and rng.random() < p[i, c]:
+        if c >= 0 and rng.random() < rows.dist(i).prob(c):
             continue
-        rest = p[i].astype(np.float64, copy=True)
-        if c >= 0:
-            rest[c] = 0.0
-        total = rest.sum()
         # p(c) = 1 was accepted above (rng.random() < 1), so a rejection leaves mass elsewhere.
-        return i, sample(rest / total, rng)
+        return i, rows.dist(i).sample_without(c, rng)
     m = len(candidates)
-    return m, sample(p[m], rng)
+    return m, rows.dist(m).sample(rng)
 
 
 class LookupProposer:

@@ -97,7 +97,8 @@ class RDKProposer:
         rows: list[np.ndarray] = []
         for _ in range(self.drafter.budget(k, stop)):
             logits = self.drafter.next_logits()  # [V_d]; -inf on rows a pruned head lost
-            q = warp(logits, GREEDY_DRAFT if self.cfg.greedy else self.cfg) * self.rowed[: len(logits)]
+            cfg = GREEDY_DRAFT if self.cfg.greedy else self.cfg
+            q = warp(logits, cfg, cfg.window(self.drafter.ids)) * self.rowed[: len(logits)]
             mass = q.sum()
             if mass <= 0.0:  # top-k/top-p left nothing with a kernel row: stop drafting
                 break

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule
-from edge_sd.sampling import Probs, sample
+from edge_sd.sampling import Probs, Rows
 from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
 
 
@@ -15,12 +15,13 @@ def verify_exact(candidates: list[int], q: np.ndarray | None, p: Probs,
     """Draw the target's own token z_j ~ p_j at each position; accept while z_j == c_j, emit z_j at
     the first mismatch (or z_{m+1}). p: [m+1, V]; q is not used (the target's own draws decide).
     Returns (accepted, next token)."""
+    rows = Rows.of(p)
     for i, c in enumerate(candidates):
-        z = sample(p[i], rng)
+        z = rows.dist(i).sample(rng)
         if z != c:
             return i, z
     m = len(candidates)
-    return m, sample(p[m], rng)
+    return m, rows.dist(m).sample(rng)
 
 
 def target_tail(vocab: Vocab, committed: list[int]) -> list[int]:

@@ -50,7 +50,7 @@ class SLRSProposer:
                 if drafted >= room or not more:
                     break
                 logits = self.drafter.next_logits()  # [V_d]
-                q = warp(logits, self.cfg)
+                q = warp(logits, self.cfg, self.cfg.window(self.drafter.ids))
                 d = int(np.argmax(q)) if self.cfg.greedy else sample(q, self.rng)
                 row = scatter_to_targets(q, self.prefix, self.target_width)  # psi(t) = sum of q(d), g(d) = t
                 t = int(self.prefix[d])

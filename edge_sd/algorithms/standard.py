@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule, scatter_to_targets
-from edge_sd.sampling import Probs, SamplingConfig, residual, sample, warp
+from edge_sd.sampling import Probs, Rows, SamplingConfig, sample, warp
 
 
 def verify_standard(
@@ -17,15 +17,16 @@ def verify_standard(
     candidates: m target ids (-1: a proposal outside the target vocabulary, always rejected)
     q: [m, V] proposal distributions; p: [m+1, V] target distributions. Returns (accepted, next token).
     """
+    rows = Rows.of(p)
     for i, c in enumerate(candidates):
         assert q is not None
         if c >= 0 and q[i, c] > 0.0:
-            ratio = p[i, c] / q[i, c]
+            ratio = rows.dist(i).prob(c) / q[i, c]
             if ratio >= 1.0 or rng.random() < ratio:
                 continue
-        return i, sample(residual(p[i], q[i]), rng)
+        return i, rows.dist(i).sample_residual(q[i], rng)
     m = len(candidates)
-    return m, sample(p[m], rng)
+    return m, rows.dist(m).sample(rng)
 
 
 def verify_greedy(candidates: list[int], logits: np.ndarray) -> tuple[int, int]:
@@ -71,7 +72,8 @@ class MappedProposer:
                 qd = np.zeros(width)
                 qd[d] = 1.0
             else:
-                qd = warp(logits[:width], self.cfg) * self.mapped[:width]
+                # the drafter's own penalties count its own ids (the drafted ones included)
+                qd = warp(logits[:width], self.cfg, self.cfg.window(self.drafter.ids)) * self.mapped[:width]
                 mass = qd.sum()
                 if mass <= 0.0:  # top-k/top-p left nothing in the intersection: stop drafting
                     break
