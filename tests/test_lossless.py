@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -154,17 +155,25 @@ def test_random_drafter_accepts_almost_nothing(pipelines, references, algo: str)
 SAMPLES = 2000
 TOP_K = 4  # 16 possible (first, second) pairs: a distribution the sample count can pin down
 DELTA = 1e-3
-WARPS = {"T1-top4": SamplingConfig(1.0, top_k=TOP_K), "T0.7-top_p0.6": SamplingConfig(0.7, top_p=0.6)}
+# The whole chain with strong penalties: the second token's distribution depends on the first through
+# them, so a verifier that forgot a candidate before its position would sample another distribution.
+# They favour repeats (a repetition penalty below 1, a negative presence penalty): a language model
+# seldom repeats the token it just gave, so a penalty against repeats would change little.
+CHAIN = SamplingConfig(0.8, top_k=TOP_K, top_p=0.95, min_p=0.05, repetition_penalty=0.5, presence_penalty=-2.0,
+                       frequency_penalty=0.3, repeat_last_n=8)
+WARPS = {"T1-top4": SamplingConfig(1.0, top_k=TOP_K), "T0.7-top_p0.6": SamplingConfig(0.7, top_p=0.6),
+         "chain": CHAIN, "T0.9-min_p0.3": SamplingConfig(0.9, min_p=0.3)}
 
 
 def exact_two_token_distribution(pipe: Pipeline, prompt_ids: list[int], cfg: SamplingConfig) -> dict:
     eng = pipe.target.engine
     eng.reset()
-    p1 = warp(eng.forward(np.asarray(prompt_ids))[-1], cfg)
+    p1 = warp(eng.forward(np.asarray(prompt_ids))[-1], cfg, cfg.window(prompt_ids))
     out = {}
     for a in np.nonzero(p1)[0]:
         eng.reset()
-        p2 = warp(eng.forward(np.asarray(prompt_ids + [int(a)]))[-1], cfg)
+        seq = prompt_ids + [int(a)]
+        p2 = warp(eng.forward(np.asarray(seq))[-1], cfg, cfg.window(seq))
         for b in np.nonzero(p2)[0]:
             out[int(a), int(b)] = p1[a] * p2[b]
     return out
@@ -179,8 +188,8 @@ def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "
     accepted = 0
     for seed in range(SAMPLES):
         # Three tokens, so that two candidates are verified in the first round (k <= remaining - 1).
-        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=3, temperature=cfg.temperature, top_k=cfg.top_k,
-                                                   top_p=cfg.top_p, seed=seed, algorithm=algo, lookahead=3))
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=3, seed=seed, algorithm=algo, lookahead=3,
+                                                   **dataclasses.asdict(cfg)))
         key = tuple(r.token_ids[:2])
         counts[key] = counts.get(key, 0) + 1
         accepted += r.stats.accepted
@@ -199,6 +208,9 @@ def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "
     ("llama_sp2", "slem", "T0.7-top_p0.6"), ("gemma_qwen_keep50", "rdk", "T1-top4"),
     ("llama_sp2_keep25", "rdk", "T0.7-top_p0.6"), ("llama_qwen_keep100", "rdk", "T1-top4"),
     ("gemma_qwen_keep50", "tli", "T1-top4"),
+    ("gemma_qwen", "ar", "chain"), ("gemma_qwen", "tli", "chain"), ("gemma_qwen", "slrs", "chain"),
+    ("llama_sp2", "slem", "chain"), ("llama_same", "standard", "chain"), ("gemma_qwen_keep50", "rdk", "chain"),
+    ("llama_sp2", "slrs", "T0.9-min_p0.3"), ("gemma_qwen", "tli", "T0.9-min_p0.3"),
 ])
 def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str, warp_name: str) -> None:
     tv, bound, accepted, outside = two_token_tv(pipelines[pair], algo, WARPS[warp_name])
@@ -206,6 +218,18 @@ def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str, wa
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
     if algo != "ar":
         assert accepted > 0  # candidates were accepted, so the acceptance path was exercised
+
+
+@pytest.mark.parametrize("pair,algo", [("gemma_qwen", "tli"), ("gemma_qwen", "slrs")])
+def test_sampling_check_catches_penalties_that_forget_the_candidates(pipelines, monkeypatch, pair: str,
+                                                                     algo: str) -> None:
+    """Negative control for the chain: rows whose penalties count the committed tokens but not the
+    candidates before them (what plain decoding would have committed first) fail the same check."""
+    from edge_sd.sampling import Rows
+
+    monkeypatch.setattr(Rows, "window", lambda self, i: self.cfg.window(self.history))
+    tv, bound, accepted, _ = two_token_tv(pipelines[pair], algo, CHAIN)
+    assert accepted > 0 and tv > bound, f"a wrong chain passed: TV {tv:.4f} < {bound:.4f}"
 
 
 def test_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -> None:
@@ -532,6 +556,15 @@ def test_lookup_sampling_matches_plain_distribution(pipelines) -> None:
     assert accepted > 0
 
 
+@pytest.mark.parametrize("algo,pair", [("lookup", "gemma_qwen"), ("lookup+slem", "llama_sp2")])
+def test_lookup_sampling_under_the_chain_matches_plain_distribution(pipelines, algo: str, pair: str) -> None:
+    pipe = pipelines[pair]
+    prompt = self_repeating(pipe) if algo == "lookup" else SHORT_MATCH
+    tv, bound, accepted, outside = two_token_tv(pipe, algo, CHAIN, prompt)
+    assert outside == 0 and tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+    assert accepted > 0
+
+
 def test_lookup_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -> None:
     """Negative control: accepting every lookup candidate emits the text's repetition, not p."""
     from edge_sd.algorithms import LookupProposer
@@ -614,3 +647,45 @@ def test_chain_sampling_check_catches_a_wrong_verifier(pipelines, monkeypatch) -
     monkeypatch.setattr(TLIProposer, "verifier", staticmethod(accept_all))
     tv, bound, _, _ = two_token_tv(pipelines["llama_qwen"], "lookup+tli", WARPS["T1-top4"], SHORT_MATCH)
     assert tv > bound, f"a wrong verifier passed: TV {tv:.4f} < {bound:.4f}"
+
+
+# --- greedy decoding under penalties ---------------------------------------------------------------
+
+PENALTIES = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, repeat_last_n=16)
+
+
+@pytest.mark.parametrize("pair,algo", [
+    ("gemma_qwen", "slem"), ("gemma_qwen", "tli"), ("gemma_qwen", "slrs"), ("llama_sp2", "slem"),
+    ("llama_same", "standard"), ("gemma_qwen_keep50", "rdk"), ("gemma_qwen", "lookup"),
+    ("llama_sp2", "lookup+slem"), ("gemma_qwen", "auto"),
+])
+def test_greedy_with_penalties_equals_plain(pipelines, pair: str, algo: str) -> None:
+    """Penalties apply at temperature 0 too: every position's argmax is taken after the penalties that
+    count the candidates before it, so speculative decoding gives plain decoding's penalized output."""
+    pipe = pipelines[pair]
+    changed = proposed = accepted = 0
+    for prompt in PROMPTS[:8] + REPEATING:
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="plain", **PENALTIES))
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo, lookahead=3,
+                                                   **PENALTIES))
+        assert r.token_ids == plain.token_ids, f"{pair}/{algo}/{prompt!r}"
+        unpenalized = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="plain"))
+        changed += unpenalized.token_ids != plain.token_ids
+        proposed, accepted = proposed + r.stats.proposed, accepted + r.stats.accepted
+    assert changed >= 3  # the penalties did change the output, so the equality above says something
+    assert accepted > 0 and accepted < proposed
+
+
+def test_greedy_penalty_check_catches_forgotten_candidates(pipelines, monkeypatch) -> None:
+    """Negative control: argmaxes whose penalties leave out the candidates before their position
+    part from plain decoding on the same prompts."""
+    from edge_sd.sampling import Rows
+
+    monkeypatch.setattr(Rows, "window", lambda self, i: self.cfg.window(self.history))
+    pipe, differ = pipelines["gemma_qwen"], 0
+    for prompt in PROMPTS[:8] + REPEATING:
+        plain = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="plain", **PENALTIES))
+        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm="tli", lookahead=3,
+                                                   **PENALTIES))
+        differ += r.token_ids != plain.token_ids
+    assert differ > 0
