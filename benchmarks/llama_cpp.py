@@ -7,7 +7,10 @@
 For every prompt, one after the other: edge-sd plain decoding and auto (greedy, then sampled at T=1
 with the prompt's seed) on the pair folder, then llama.cpp's plain decoding (`llama-completion`,
 greedy and sampled) and its drafter-free n-gram speculation (`llama-speculative-simple --spec-type
-ngram-simple`, greedy) on the GGUF file the pair's target was exported from. A slow spell of the
+ngram-simple`, greedy) on the GGUF file the pair's target was exported from; then the chat setting
+(T=0.8, top-k 40, top-p 0.95, min-p 0.05, the same seed) for edge-sd's plain decoding and auto and
+llama.cpp's plain decoding and n-gram speculation, llama.cpp with edge-sd's sampler order
+(`--samplers "penalties;temperature;top_k;top_p;min_p"`; `--no-chat` leaves these rows out). A slow spell of the
 machine then hits every row alike. The rate compared is the decode rate: new tokens over the time
 after the prompt's prefill, choosing the tokens included (for llama-completion, its `eval time` plus
 its sampler's `sampling time`; for its speculation, the time it reports for decoding), with both
@@ -26,6 +29,7 @@ the JSON, without running anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import re
 import statistics
@@ -40,10 +44,11 @@ import numpy as np
 from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.llama_cpp import LlamaCpp, Timing
 from edge_sd.bench.llama_cpp import version as llama_version
-from edge_sd.bench.run import machine, write_results
+from edge_sd.bench.run import CHAT, machine, write_results
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.paths import cache_dir
 from edge_sd.pipeline import GenerationConfig, Pipeline
+from edge_sd.sampling import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = cache_dir()
@@ -66,7 +71,12 @@ ROWS = {  # label -> (tool, mode)
     "edge-sd plain, T=1": ("edge-sd", "sample"),
     "edge-sd auto, T=1": ("edge-sd", "sample"),
     "llama.cpp plain, T=1": ("llama.cpp", "sample"),
+    "edge-sd plain, chat": ("edge-sd", "chat"),
+    "edge-sd auto, chat": ("edge-sd", "chat"),
+    "llama.cpp plain, chat": ("llama.cpp", "chat"),
+    "llama.cpp n-gram, chat": ("llama.cpp", "chat"),
 }
+SAMPLING = {"greedy": SamplingConfig(), "sample": SamplingConfig(1.0), "chat": CHAT}
 # With --fp32: plain decoding of the same file exported dequantized, first.
 ALL_ROWS = {"edge-sd plain, fp32": ("edge-sd", "greedy"), **ROWS}
 
@@ -79,9 +89,9 @@ def prompt_list(per_set: int, skip: int) -> list[tuple[str, str]]:
     return out
 
 
-def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, temperature: float, seed: int) -> dict:
-    r = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm=algorithm, temperature=temperature,
-                                               seed=seed))
+def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, mode: str, seed: int) -> dict:
+    r = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm=algorithm, seed=seed,
+                                               **dataclasses.asdict(SAMPLING[mode])))
     decode = r.stats.wall_s - r.stats.prefill_s
     return {"tokens": r.stats.new_tokens, "decode_s": decode, "rate": r.stats.new_tokens / decode,
             "ids": r.token_ids, "schedule": r.stats.schedule.get("rounds", {})}
@@ -147,6 +157,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
     ap.add_argument("--fp32", type=Path, default=None, help="an fp32 export of the same GGUF (a single engine): "
                     "a plain-decoding row and its perplexity beside the pair's target")
+    ap.add_argument("--no-chat", action="store_true", help="without the chat-setting rows")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     if args.report:
@@ -162,7 +173,7 @@ def main() -> None:
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
     pipe = Pipeline.from_folder(args.pair, threads=args.threads)
     fp32 = Pipeline.from_folder(args.fp32, threads=args.threads) if args.fp32 else None
-    rows = ROWS if fp32 is None else ALL_ROWS
+    rows = {k: v for k, v in (ROWS if fp32 is None else ALL_ROWS).items() if not (args.no_chat and v[1] == "chat")}
     llama = LlamaCpp(args.llama_bin, gguf, args.threads)
     prompts = prompt_list(args.per_set, args.skip)
     n = args.max_new_tokens
@@ -176,15 +187,20 @@ def main() -> None:
         rec = {"set": group, "prompt": i, "runs": {}}
         runs = rec["runs"]
         if fp32 is not None:
-            runs["edge-sd plain, fp32"] = _edge(fp32, text, n, "plain", 0.0, seed)
-        runs["edge-sd plain"] = _edge(pipe, text, n, "plain", 0.0, seed)
-        runs["edge-sd auto"] = _edge(pipe, text, n, "auto", 0.0, seed)
+            runs["edge-sd plain, fp32"] = _edge(fp32, text, n, "plain", "greedy", seed)
+        runs["edge-sd plain"] = _edge(pipe, text, n, "plain", "greedy", seed)
+        runs["edge-sd auto"] = _edge(pipe, text, n, "auto", "greedy", seed)
         runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"]["ids"] == runs["edge-sd plain"]["ids"]
-        runs["llama.cpp plain"] = _llama(llama.plain(text, n, 0.0, seed))
-        runs["llama.cpp n-gram"] = _llama(llama.ngram(text, n, seed))
-        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", 1.0, seed)
-        runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", 1.0, seed)
-        runs["llama.cpp plain, T=1"] = _llama(llama.plain(text, n, 1.0, seed))
+        runs["llama.cpp plain"] = _llama(llama.plain(text, n, SAMPLING["greedy"], seed))
+        runs["llama.cpp n-gram"] = _llama(llama.ngram(text, n, SAMPLING["greedy"], seed))
+        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", "sample", seed)
+        runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", "sample", seed)
+        runs["llama.cpp plain, T=1"] = _llama(llama.plain(text, n, SAMPLING["sample"], seed))
+        if not args.no_chat:
+            runs["edge-sd plain, chat"] = _edge(pipe, text, n, "plain", "chat", seed)
+            runs["edge-sd auto, chat"] = _edge(pipe, text, n, "auto", "chat", seed)
+            runs["llama.cpp plain, chat"] = _llama(llama.plain(text, n, SAMPLING["chat"], seed))
+            runs["llama.cpp n-gram, chat"] = _llama(llama.ngram(text, n, SAMPLING["chat"], seed))
         for r in runs.values():
             r.pop("ids", None)
         records.append(rec)
@@ -264,6 +280,11 @@ def report(result: dict) -> str:
         ("edge-sd auto, T=1 / llama.cpp plain, T=1", "edge-sd auto, T=1", ["llama.cpp plain, T=1"]),
         ("edge-sd auto / edge-sd plain (greedy)", "edge-sd auto", ["edge-sd plain"]),
         ("edge-sd auto, T=1 / edge-sd plain, T=1", "edge-sd auto, T=1", ["edge-sd plain, T=1"]),
+        *([("edge-sd plain, chat / llama.cpp plain, chat", "edge-sd plain, chat", ["llama.cpp plain, chat"]),
+           ("edge-sd auto, chat / best of llama.cpp plain and n-gram, chat", "edge-sd auto, chat",
+            ["llama.cpp plain, chat", "llama.cpp n-gram, chat"]),
+           ("edge-sd auto, chat / edge-sd plain, chat", "edge-sd auto, chat", ["edge-sd plain, chat"])]
+          if "edge-sd auto, chat" in med else []),
         *([("edge-sd plain / edge-sd plain, fp32 target", "edge-sd plain", ["edge-sd plain, fp32"])]
           if "edge-sd plain, fp32" in med else []),
     ):
@@ -272,7 +293,7 @@ def report(result: dict) -> str:
     equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
     lines += ["", f"edge-sd auto's greedy output equal to its plain decoding: {equal} of {len(result['records'])} "
               "prompts."]
-    for label in ("edge-sd auto", "edge-sd auto, T=1"):
+    for label in [x for x in ("edge-sd auto", "edge-sd auto, T=1", "edge-sd auto, chat") if x in med]:
         kinds = round_kinds(result, label)
         lines += ["", f"{label}'s rounds over every prompt: {sum(kinds.values())} ("
                   + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")."]
@@ -325,7 +346,7 @@ def plot(result: dict, path: Path) -> None:
         color = "tab:blue" if tool == "edge-sd" else "tab:orange"
         ax.bar(xs, [med[label][s] for s in sets], width, label=label, color=color,
                alpha=1.0 if "auto" in label or "n-gram" in label else 0.55,
-               hatch="//" if mode == "sample" else None)
+               hatch={"sample": "//", "chat": ".."}.get(mode))
     ax.set_xticks(np.arange(len(sets)), sets)
     ax.set_ylabel("decode rate, tok/s (median)")
     ax.set_title(f"edge-sd and llama.cpp on {result['gguf']} ({result['machine']['cores']} cores, {result['date']})")

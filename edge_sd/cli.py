@@ -545,7 +545,8 @@ def bench(
                                       "a list (3,5); with --engines one length \\[3]: forwards of length+1 "
                                       "positions are timed."),
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="edge-sd algorithms to run."),
-    modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0) and/or sample (T=1)."),
+    modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0), sample (T=1, no filters) and/or "
+                              "chat (T=0.8, top-k 40, top-p 0.95, min-p 0.05; llama.cpp with the same chain)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + " torch takes as many."),
     transformers: bool = typer.Option(False, "--transformers", help="Also transformers' assisted generation on "
                                       "fp32 HF folders of the pair (--hf-dir; the demo pair's by default)."),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_sd.errors import UsageError
+from edge_sd.sampling import SamplingConfig
 
 COMPLETION = "llama-completion"
 SPECULATIVE = "llama-speculative-simple"
@@ -43,13 +44,25 @@ class Timing:
         return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def tool_args(gguf: Path, n: int, threads: int, temperature: float, seed: int) -> list[str]:
-    """Arguments both tools share: the model, n new tokens, threads, and sampling at `temperature`
-    with every other filter off (edge-sd's plain sampling), or greedy at 0."""
-    sampling = (["--temp", "0"] if temperature == 0 else
-                ["--temp", str(temperature), "--top-k", "0", "--top-p", "1", "--min-p", "0"])
+# edge-sd's sampler order (sampling.py); llama.cpp's default puts temperature last.
+SAMPLERS = "penalties;temperature;top_k;top_p;min_p"
+
+
+def sampling_args(cfg: SamplingConfig) -> list[str]:
+    """llama.cpp's options for edge-sd's sampler chain: every setting given, its defaults (top-k 40,
+    top-p 0.95, min-p 0.05) off where edge-sd's are, in edge-sd's order; greedy at temperature 0."""
+    penalties = ["--repeat-penalty", str(cfg.repetition_penalty), "--repeat-last-n", str(cfg.repeat_last_n),
+                 "--presence-penalty", str(cfg.presence_penalty), "--frequency-penalty", str(cfg.frequency_penalty)]
+    if cfg.greedy:
+        return ["--temp", "0", *penalties]
+    return ["--temp", str(cfg.temperature), "--top-k", str(cfg.top_k), "--top-p", str(cfg.top_p),
+            "--min-p", str(cfg.min_p), *penalties, "--samplers", SAMPLERS]
+
+
+def tool_args(gguf: Path, n: int, threads: int, sampling: SamplingConfig, seed: int) -> list[str]:
+    """Arguments both tools share: the model, n new tokens, threads, the sampler chain, the seed."""
     return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
-            "-c", "2048", *sampling]
+            "-c", "2048", *sampling_args(sampling)]
 
 
 def run_tool(binary: Path, args: list[str], prompt: str, speculative: bool) -> Timing:
@@ -116,11 +129,11 @@ class LlamaCpp:
             raise UsageError(f"GGUF file {self.gguf} not found: llama.cpp runs the file the target was exported "
                              "from (give it with --gguf)")
 
-    def plain(self, prompt: str, n: int, temperature: float, seed: int) -> Timing:
-        args = tool_args(self.gguf, n, self.threads, temperature, seed) + list(PLAIN_ARGS)
+    def plain(self, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> Timing:
+        args = tool_args(self.gguf, n, self.threads, sampling, seed) + list(PLAIN_ARGS)
         return run_tool(self.folder / COMPLETION, args, prompt, speculative=False)
 
-    def ngram(self, prompt: str, n: int, seed: int) -> Timing:
-        """Greedy n-gram speculation (the tool's sampled speculation is not what is compared)."""
-        args = tool_args(self.gguf, n, self.threads, 0.0, seed) + list(NGRAM_ARGS)
+    def ngram(self, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> Timing:
+        """n-gram speculation: the target's own draws decide, drafts accepted where they match."""
+        args = tool_args(self.gguf, n, self.threads, sampling, seed) + list(NGRAM_ARGS)
         return run_tool(self.folder / SPECULATIVE, args, prompt, speculative=True)

@@ -8,6 +8,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+# The chat mode's settings, as its plot titles them (bench/run.py's CHAT).
+MODE_LABEL = "T=0.8, top-k 40, top-p 0.95, min-p 0.05"
+
 README_START = "<!-- real-pair-bench:start -->"
 README_END = "<!-- real-pair-bench:end -->"
 SPEEDUP_PNG = "real_pair_speedup.png"
@@ -105,7 +108,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         from edge_sd.errors import UsageError
 
         raise UsageError("the plots need matplotlib: pip install 'edge-sd[bench]'") from None
-    modes = [m for m in ("greedy", "sample") if any(r["mode"] == m for r in rows)]
+    modes = [m for m in ("greedy", "sample", "chat") if any(r["mode"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
         mrows = [r for r in rows if r["mode"] == mode]
@@ -128,7 +131,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
             if r["engine"] == "llama.cpp":
                 ax.axhline(r["speedup_median"], color="tab:orange", ls="-." if r["algorithm"] == "ngram" else ":",
                            lw=1.5, label=f"llama.cpp {_algo_name(r['algorithm'])}")
-        ax.set_title(f"{mode} (T={'0' if mode == 'greedy' else '1'})")
+        ax.set_title({"greedy": "greedy (T=0)", "sample": "sample (T=1)"}.get(mode, f"{mode} ({MODE_LABEL})"))
         ax.set_xlabel("k (drafted tokens per round)")
         ax.set_ylabel("speedup over edge-sd plain decoding (median)")
         ax.grid(alpha=0.3)

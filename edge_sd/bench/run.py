@@ -22,11 +22,16 @@ from edge_sd.bench import prompts as prompt_sets
 from edge_sd.errors import UsageError
 from edge_sd.export.prune import pruned_copy
 from edge_sd.pipeline import GenerationConfig, Pipeline
+from edge_sd.sampling import SamplingConfig
+
+CHAT = SamplingConfig(0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 if TYPE_CHECKING:
     from edge_sd.bench.llama_cpp import LlamaCpp
 
-MODES = {"greedy": 0.0, "sample": 1.0}  # temperature of each mode
+# Each mode's sampler chain: greedy; temperature 1 with every filter off; and the chat setting that
+# chat front-ends and llama.cpp's defaults set (llama.cpp's min-p default included).
+MODES = {"greedy": SamplingConfig(), "sample": SamplingConfig(1.0), "chat": CHAT}
 EDGE_ALGORITHMS = ("slem", "tli", "slrs")
 # transformers' counterparts: universal assisted generation (greedy, re-tokenizes the text like SLEM)
 # and universal speculative decoding (sampling, over the vocabulary intersection like TLI), as shipped
@@ -50,7 +55,7 @@ class BenchOptions:
     max_new_tokens: int = 64
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     algorithms: tuple[str, ...] = EDGE_ALGORITHMS
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = ("greedy", "sample")
     seed: int = 0
     threads: int = 2
     provider: str = "auto"  # auto|cpu|cuda|tensorrt (engines/providers.py)
@@ -147,13 +152,12 @@ def configs(opts: BenchOptions, disco_k: int = 0) -> list[Config]:
         for f in opts.keeps:
             out += [Config("edge-sd", mode, a, opts.keep_k, keep=f) for a in ("tli", "rdk")
                     if a == "rdk" or f < 1.0]
-        if opts.transformers:
+        if opts.transformers and mode in HF_ASSISTED:
             out.append(Config("transformers", mode, "ar", 0))
             out += [Config("transformers", mode, a, k) for a in HF_ASSISTED[mode] for k in opts.hf_ks]
         if opts.llama_cpp is not None:
             out.append(Config("llama.cpp", mode, "ar", 0))
-            if mode == "greedy":
-                out.append(Config("llama.cpp", mode, "ngram", 0))
+            out.append(Config("llama.cpp", mode, "ngram", 0))
     return out
 
 
@@ -276,7 +280,7 @@ def _drafter_steps(pipe: Pipeline, variants: dict[float, Pipeline]) -> dict[str,
 def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
     # auto runs as `edge-sd generate` runs it by default: the cost schedule, with DISCO's stops where
     # the pair folder holds a calibrated disco.json.
-    gen = GenerationConfig(max_new_tokens=max_new, temperature=MODES[cfg.mode], seed=seed,
+    gen = GenerationConfig(max_new_tokens=max_new, seed=seed, **asdict(MODES[cfg.mode]),
                            algorithm=cfg.algorithm, lookahead=cfg.k or None,
                            schedule=None if cfg.algorithm == "auto" else cfg.schedule)
     # Timed from outside, as transformers' generate() is: tokenizing the prompt and setting up the
@@ -297,7 +301,7 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
 def _run_llama(llama: LlamaCpp, prompt: prompt_sets.Prompt, cfg: Config, max_new: int, seed: int) -> Record:
     # Timed by the tool itself, its model load left out as edge-sd's is: the prompt's prefill plus the
     # decoding. Its token ids are not read, so its rows are compared on speed only.
-    t = (llama.ngram(prompt.text, max_new, seed) if cfg.algorithm == "ngram"
+    t = (llama.ngram(prompt.text, max_new, MODES[cfg.mode], seed) if cfg.algorithm == "ngram"
          else llama.plain(prompt.text, max_new, MODES[cfg.mode], seed))
     prefill = t.prefill_s or 0.0
     drafted = t.accept is not None
