@@ -14,6 +14,13 @@ taking them from the heap left resident memory as flat over a 2048-token generat
 (benchmarks/results/startup.md). A forward's whole-vocabulary logits stay mapped, so the decoding loop
 writes them into a buffer the engine reuses (engines/ort.py, `forward(scratch=True)`). A process that
 sets MALLOC_MMAP_THRESHOLD_ keeps its own.
+
+A fixed mmap threshold also fixes glibc's trim threshold, at 128 KiB: every freed heap block of more
+than that at the top of the heap was given back to the system, and the next one page-faulted its
+pages in again. Choosing a token allocates such blocks (a 262k-entry row of float32 is 1 MiB: the
+penalized logits, the weights), and trimming made it several times slower
+(benchmarks/results/sampler.md). The trim threshold is fixed at 32 MiB: the heap keeps at most that
+much free at its top. MALLOC_TRIM_THRESHOLD_ in the environment keeps its own.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import functools
 import os
 import platform
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
 THRESHOLD = 8 << 20
+TRIM_THRESHOLD = 32 << 20
 
 
 @functools.cache
@@ -34,6 +43,9 @@ def map_large_blocks() -> bool:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, THRESHOLD))
+        libc = ctypes.CDLL(None)
+        if not os.environ.get("MALLOC_TRIM_THRESHOLD_"):
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
     except (OSError, AttributeError):
         return False
