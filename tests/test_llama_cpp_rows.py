@@ -77,6 +77,26 @@ cat >&2 <<'LOG'
     return folder
 
 
+def test_llama_cpp_samples_with_edge_sds_chain() -> None:
+    """Every setting of the chain given (llama.cpp's own defaults of top-k 40, top-p 0.95 and min-p
+    0.05 would else apply), in edge-sd's order; greedy at temperature 0, penalties included."""
+    from edge_sd.bench.llama_cpp import sampling_args
+    from edge_sd.bench.run import CHAT
+    from edge_sd.sampling import SamplingConfig
+
+    def opts(args: list[str]) -> dict[str, str]:
+        return dict(zip(args[::2], args[1::2], strict=True))
+
+    chat = opts(sampling_args(CHAT))
+    assert chat["--samplers"] == "penalties;temperature;top_k;top_p;min_p"
+    assert (chat["--temp"], chat["--top-k"], chat["--top-p"], chat["--min-p"]) == ("0.8", "40", "0.95", "0.05")
+    assert chat["--repeat-penalty"] == "1.0" and chat["--presence-penalty"] == "0.0"
+    t1 = opts(sampling_args(SamplingConfig(1.0)))
+    assert (t1["--top-k"], t1["--top-p"], t1["--min-p"]) == ("0", "1.0", "0.0")
+    greedy = opts(sampling_args(SamplingConfig(repetition_penalty=1.2, repeat_last_n=32)))
+    assert greedy["--temp"] == "0" and greedy["--repeat-penalty"] == "1.2" and greedy["--repeat-last-n"] == "32"
+
+
 def test_missing_tools_and_files_are_named(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -102,13 +122,13 @@ def test_bench_runs_llama_cpp_rows_beside_edge_sd(tmp_path: Path) -> None:
     tools = _stand_ins(tmp_path / "bin", gguf)
     out = tmp_path / "results"
     args = ["bench", str(PAIR), "--per-set", "1", "-n", "8", "--draft-lengths", "2", "--algorithms", "slem",
-            "--no-auto", "--threads", "2", "--llama-cpp", str(tools), "-o", str(out)]
+            "--no-auto", "--threads", "2", "--llama-cpp", str(tools), "-o", str(out), "--modes", "greedy,sample,chat"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     data = json.loads((out / "real_pair.json").read_text())
     rows = {(r["mode"], r["engine"], r["algorithm"]): r for r in data["summary"]}
-    assert {("greedy", "llama.cpp", "ar"), ("greedy", "llama.cpp", "ngram"), ("sample", "llama.cpp", "ar")} <= set(rows)
-    assert ("sample", "llama.cpp", "ngram") not in rows  # its speculation is compared greedy only
+    # plain decoding and n-gram speculation in every mode, the chat setting's included
+    assert {(m, "llama.cpp", a) for m in ("greedy", "sample", "chat") for a in ("ar", "ngram")} <= set(rows)
     plain, ngram = rows["greedy", "llama.cpp", "ar"], rows["greedy", "llama.cpp", "ngram"]
     # Two prompts, each timed as the tool reports: its prefill plus its decoding (sampling included).
     decode = 0.46691 + 0.02025 * 15 / 16
