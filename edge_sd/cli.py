@@ -19,7 +19,8 @@ try:
 except ImportError as e:  # the runtime alone (pip install edge-sd) has no command line
     raise SystemExit(f"edge-sd's command line needs its extra: pip install 'edge-sd[cli]' ({e})") from None
 
-from edge_sd.errors import EdgeSDError, UsageError
+from edge_sd import text_input
+from edge_sd.errors import ContextLimitError, EdgeSDError, UsageError
 from edge_sd.paths import cache_dir
 
 # Help texts write defaults as \[default]: rich markup would take a bare [default] for a tag and drop it.
@@ -56,7 +57,8 @@ THREADS_HELP = "Intra-op threads per engine \\[ONNX Runtime's default: one per p
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
          "top_p": "--top-p", "min_p": "--min-p", "repetition_penalty": "--repeat-penalty",
          "repeat_last_n": "--repeat-last-n", "presence_penalty": "--presence-penalty",
-         "frequency_penalty": "--frequency-penalty", "lookahead": "--draft-max"}
+         "frequency_penalty": "--frequency-penalty", "lookahead": "--draft-max", "threads": "--threads",
+         "seed": "--seed"}
 
 
 def _fail(e: EdgeSDError) -> None:
@@ -301,25 +303,37 @@ def generate(
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
         for note in pipe.notes:
             err.print(f"note: {note}")
-        events = pipe.stream_events(text, cfg)
+        gen = pipe.generator(cfg)
+        if cfg.chat:
+            gen.append_chat(text)
+        else:
+            gen.append_text(text)
         streaming = not (as_json or no_stream)
-        while True:
-            try:
-                event = next(events)
-            except StopIteration as done:
-                result = done.value
-                break
-            if streaming and event.text:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+        interrupted = False
+        try:
+            while not gen.is_done:
+                event = gen.generate_next_tokens()
+                if streaming and event.text:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            # what was generated is printed all the same (--json included), then exit code 130
+            tail = gen.stop("interrupted")
+            if streaming:
+                sys.stdout.write(tail.text)
+            interrupted = True
+        result = gen.result()
         if as_json:
             sys.stdout.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
-            return
-        if not streaming:
-            sys.stdout.write(result.text)
-        sys.stdout.write("\n")
+        else:
+            if not streaming:
+                sys.stdout.write(result.text)
+            sys.stdout.write("\n")
         sys.stdout.flush()
-        err.print(result.stats.line(), highlight=False, soft_wrap=True)
+        if not as_json:
+            err.print(result.stats.line(), highlight=False, soft_wrap=True)
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 @app.command()
@@ -369,24 +383,33 @@ def chat(
         for note in model.notes:
             err.print(f"note: {note}")
         interactive = sys.stdin.isatty()
+        if interactive:
+            # input() through readline: without it a terminal cuts a pasted line at 4,095 characters
+            import readline  # noqa: F401
         gen = model.generator(cfg)
         if interactive:
             err.print("chat: /reset starts anew, Ctrl-C ends a reply, Ctrl-D ends the session", highlight=False)
         while True:
             try:
-                line = input("> ") if interactive else sys.stdin.readline()
+                raw = input("> ") if interactive else sys.stdin.buffer.readline()
             except (EOFError, KeyboardInterrupt):
                 break
-            if not interactive and not line:
+            if not interactive and not raw:
                 break
-            line = line.rstrip("\n")
-            if line.strip() == "/reset":
-                gen = model.generator(cfg)
-                err.print("(new conversation)")
+            try:
+                line = (text_input.check(raw, "the line") if isinstance(raw, str)
+                        else text_input.decode(raw, "the line")).rstrip("\n")
+                if line.strip() == "/reset":
+                    gen = model.generator(cfg)
+                    err.print("(new conversation)")
+                    continue
+                if not line.strip():
+                    continue
+                gen.append_chat(line)
+            except (UsageError, ContextLimitError) as e:
+                # a turn refused leaves the conversation as it was: report it and read the next line
+                err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
                 continue
-            if not line.strip():
-                continue
-            gen.append_chat(line)
             stopped = False
             try:
                 while not gen.is_done:
@@ -407,14 +430,14 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         raise UsageError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
         try:
-            return prompt_file.read_text(encoding="utf-8")
+            return text_input.decode(prompt_file.read_bytes(), f"the prompt file {prompt_file}")
         except OSError as e:
             raise UsageError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
     if prompt is not None:
-        return prompt
+        return text_input.check(prompt, "--prompt")
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no prompt: pass --prompt TEXT, --prompt-file PATH, or pipe text on stdin")
-    return sys.stdin.read()
+    return text_input.decode(sys.stdin.buffer.read(), "the prompt on stdin")
 
 
 @app.command()

@@ -60,6 +60,7 @@ class GenerationConfig:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("lookahead", self.lookahead is None or self.lookahead >= 0, "must be >= 0"),
+            ("seed", self.seed is None or self.seed >= 0, "must be >= 0"),
         )
         for name, ok, rule in rules:
             if not ok:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_sd import text_input
 from edge_sd.algorithms import (
     ChainProposer,
     DrafterState,
@@ -115,6 +116,7 @@ class Generator:
     def append_text(self, text: str) -> None:
         """Append text, encoded by the target's tokenizer (BOS first on an empty sequence, where the
         model takes one), and start a reply."""
+        text_input.check(text, "the text")
         if not text:
             raise UsageError("the prompt is empty")
         ids = self.model.target.vocab.encode_text(text)
@@ -126,10 +128,25 @@ class Generator:
 
     def append_chat(self, content: str, role: str = "user") -> None:
         """Append a chat turn, rendered by the chat template, and start the reply to it. Only what the
-        template adds since the last reply is new; both engines prefill that alone."""
+        template adds since the last reply is new; both engines prefill that alone. A turn that is
+        refused (an error raised here: too long for the context, say) leaves the conversation as it
+        was, so that the next turn continues it."""
+        text_input.check(content, "the message")
         if not content:
             raise UsageError("the message is empty")
         self._end_reply()
+        # The caches need no restoring: they hold a prefix of the sequence, and the next reply feeds
+        # what they lack.
+        saved = (list(self.ids), list(self._messages), dict(self._rendered), self._chat_base, self._drafter_context,
+                 self.reply_start)
+        try:
+            self._append_turn(content, role)
+        except BaseException:
+            (self.ids[:], self._messages, self._rendered, self._chat_base, self._drafter_context,
+             self.reply_start) = saved
+            raise
+
+    def _append_turn(self, content: str, role: str) -> None:
         self._messages.append({"role": role, "content": content})
         full = render_chat(self.model.target.manifest, self._messages)
         before = self._rendered.get("target", "")
@@ -172,13 +189,14 @@ class Generator:
         self.target.truncate(max(0, n - 1))
         self.reply_start = n
 
-    def stop(self) -> Emitted:
+    def stop(self, reason: str = "stopped") -> Emitted:
         """End the reply in progress here (what it generated stays in the sequence); returns the text
-        it still held back (a possible stop string's start, an incomplete character)."""
+        it still held back (a possible stop string's start, an incomplete character). reason: the
+        statistics' stop_reason."""
         dec = self._decoder
         if dec is None or self._closed:
             return Emitted([], "")
-        tail = dec.finish("stopped")
+        tail = dec.finish(reason)
         self._pieces.append(tail.text)
         self._end_reply()
         return tail

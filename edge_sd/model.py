@@ -187,7 +187,7 @@ class Model:
         self.drafter = drafter
         self.maps = maps
         self.same_vocab = same_vocab
-        self.notes = notes or []
+        self._notes = notes or []
         self.folder = folder
         self.disco: DiscoModel | None = None  # the pair folder's disco.json (edge-sd calibrate)
         self.kernel: Kernel | None = None  # RDK's kernel M (export --drafter-vocab-keep)
@@ -196,6 +196,12 @@ class Model:
         # Cost schedules of earlier unseeded generations, by sampling mode and algorithms: a new
         # generation borrows one, so that it starts from what earlier texts taught (generator.py).
         self._schedules: dict[tuple, list[Any]] = {}
+
+    @property
+    def notes(self) -> list[str]:
+        """What a user should hear of the load: files found unreadable or damaged and made again."""
+        sides = [s for s in (self.target, self.drafter) if s is not None]
+        return self._notes + [n for s in sides for n in s.session.notes]
 
     @classmethod
     def load(cls: type[_M], path: str | Path, provider: str = "auto", threads: int | None = None,
@@ -324,7 +330,7 @@ class Model:
         try:
             return Costs.from_json(json.loads(path.read_text(encoding="utf-8")))
         except (ValueError, KeyError, TypeError):
-            self.notes.append(f"{path} unreadable: the engines' costs are measured at load instead")
+            self._notes.append(f"{path} unreadable: the engines' costs are measured at load instead")
             return None
 
     def fixed_costs(self, k_max: int) -> Costs:

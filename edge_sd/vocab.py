@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,7 +235,8 @@ class Tables:
                     return None
                 lengths, blob = z["lengths"], z["blob"].tobytes()
                 special, fallback = set(z["special"].tolist()), set(z["byte_fallback"].tolist())
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+            # damaged (zip's own CRC checks each member's bytes): spelled again and saved over it
             return None
         ends = np.cumsum(np.maximum(lengths, 0))
         if len(lengths) == 0 or lengths.min() < -1 or int(ends[-1]) != len(blob):

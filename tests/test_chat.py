@@ -98,7 +98,7 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
                               check=True).stdout
 
     def screen() -> str:
-        return tmux("capture-pane", "-p", "-t", session, "-S", "-")
+        return tmux("capture-pane", "-p", "-J", "-t", session, "-S", "-")
 
     def prompts(shown: str) -> int:  # capture-pane drops trailing spaces: a bare prompt is ">"
         return sum(line.startswith(">") for line in shown.splitlines())
@@ -126,6 +126,16 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
                 shown = wait_for("[stopped]", count=i // 2 + 1)
                 assert shown.count("stop: stopped") == i // 2 + 1, shown  # the reply's statistics
             wait_for(">", count=i + 2)  # a new prompt: the session goes on
+        # A line longer than a terminal's 4,095-character limit arrives whole (readline): 6,089
+        # characters, 4,891 Gemma tokens (its first 4,095 characters: 3,256), prefilled in full.
+        long_line = " ".join(f"w{j}" for j in range(1200))
+        tmux("send-keys", "-t", session, "-l", long_line)
+        tmux("send-keys", "-t", session, "Enter")
+        time.sleep(8.0)  # past the prefill, into the reply
+        tmux("send-keys", "-t", session, "C-c")
+        shown = wait_for("[stopped]", count=3)
+        prefilled = [int(ln.split("prefilled ")[1].split(" of ")[0]) for ln in shown.splitlines() if "prefilled " in ln]
+        assert prefilled[-1] > 4800, prefilled
         tmux("send-keys", "-t", session, "C-d")
         end = time.time() + 30
         while not log.exists() and time.time() < end:
@@ -133,3 +143,45 @@ def test_chat_under_a_real_terminal(tmp_path: Path) -> None:
         assert log.read_text().strip() == "exited 0"
     finally:
         subprocess.run(["tmux", "-L", session, "kill-server"], capture_output=True)
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_root: Path) -> None:
+    """A turn beyond the context, or not text, is refused and changes nothing: the next turn's reply
+    is the one a conversation that never had the bad turn gives (ids and messages alike)."""
+    from edge_sd.errors import ContextLimitError, UsageError
+
+    model = Pipeline.from_folder(tiny_root / "pairs" / "gemma_qwen", provider=PROVIDER, threads=2)
+    cfg = GenerationConfig(max_new_tokens=8)
+    gen, clean = model.generator(cfg), model.generator(cfg)
+    for g in (gen, clean):
+        g.append_chat(TURNS[0])
+        finish(g)
+    before = (list(gen.ids), list(gen._messages))
+    too_long = " ".join(["cat"] * model.target.manifest.max_context)
+    with pytest.raises(ContextLimitError):
+        gen.append_chat(too_long)
+    with pytest.raises(UsageError, match="not UTF-8"):
+        gen.append_chat("bad \udcff bytes")
+    assert (gen.ids, gen._messages) == before
+    for g in (gen, clean):
+        g.append_chat(TURNS[1])
+        finish(g)
+    assert gen.ids == clean.ids and gen._messages == clean._messages
+    # negative control: had the refused turn stayed in the messages, the template would refuse the
+    # next turn (roles must alternate) or render another conversation
+    assert clean._messages[-2]["content"] == TURNS[1]
+
+
+def test_chat_command_survives_bad_lines(tiny_root: Path) -> None:
+    """Piped: a line that is not UTF-8 and a line beyond the context are each one error line; the
+    lines after them are answered and the exit code is 0."""
+    folder = tiny_root / "pairs" / "gemma_qwen"
+    model = Pipeline.from_folder(folder, provider=PROVIDER, threads=2)
+    too_long = " ".join(["cat"] * model.target.manifest.max_context).encode()
+    lines = b"hi there\nbad \xff bytes\n" + too_long + b"\nand what about cats?\n"
+    r = CliRunner().invoke(app, ["chat", str(folder), "-n", "6", "--threads", "2"], input=lines)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 2 and "not UTF-8 text: byte 0xff at offset 4" in errors[0], r.stderr
+    assert "takes at most" in errors[1]
+    assert len([ln for ln in r.stderr.splitlines() if "prefilled" in ln]) == 2  # both good lines answered

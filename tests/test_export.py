@@ -125,24 +125,37 @@ def test_engine_cache_round_trip(tiny_root: Path, name: str) -> None:
 
 
 def test_export_cli_end_to_end_and_force(tiny_root: Path, tmp_path: Path) -> None:
+    import subprocess
+
     from typer.testing import CliRunner
 
     from edge_sd.cli import app
 
     out = tmp_path / "pair"
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (tmp_path / f".pair.partial-{ended.pid}-abc").mkdir()  # what a killed export left: removed below
     args = ["export", "-t", str(tiny_root / "hf" / "bl_llama"), "-d", str(tiny_root / "hf" / "sp2_llama"),
             "-o", str(out)]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert (out / "pair.json").is_file() and (out / "maps.npz").is_file()
     assert "intersection" in r.output
+    # the manifest names the folder as it is, not the one it was built in; the folder has the user's umask
+    import json
+    import os
+
+    assert json.loads((out / "pair.json").read_text())["name"] == "pair"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
     r = CliRunner().invoke(app, args)
     assert r.exit_code != 0 and "--force" in r.output
     stamp = (out / "pair.json").stat().st_mtime_ns
     r = CliRunner().invoke(app, args + ["--force"])
     assert r.exit_code == 0, r.output
     assert (out / "pair.json").stat().st_mtime_ns != stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["pair"]  # no temporary folder left beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["pair"]  # no temporary folder left beside it, nor the killed one's
 
 
 def test_interrupted_export_leaves_nothing(tiny_root: Path, tmp_path: Path, monkeypatch) -> None:

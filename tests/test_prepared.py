@@ -73,6 +73,93 @@ def test_a_changed_engine_or_damaged_cache_is_prepared_again(target: Path) -> No
     assert not [p for p in (target / prepared.CACHE_DIR).iterdir() if p.name.startswith(".")]  # no leftovers
 
 
+def _overwrite(path: Path, offset: int, length: int) -> None:
+    """Random bytes over a stretch of a file, its size unchanged."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.random.default_rng(1).integers(0, 256, length, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_cache_overwritten_with_bytes_of_its_size_is_prepared_again(target: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      whole: bool) -> None:
+    """Random bytes over the saved weights, the file's size unchanged: the checksum catches them, the
+    load says so in a note and prepares the cache again, and the logits are the engine's own. A
+    few bytes between the sampled blocks pass a launch's check and are caught by --verify (whole).
+    Negative control: the same cache with the check skipped computes other logits."""
+    want = _logits(_session(target))
+    data = target / prepared.CACHE_DIR / prepared.ORT_DIR / prepared.DATA
+    size = data.stat().st_size
+    if whole:
+        monkeypatch.setattr(prepared, "SAMPLE_BYTES", 64)  # so that the damage falls between the samples
+        monkeypatch.setattr(prepared, "SAMPLES", 4)
+        assert _session(target).graph_cache == "saved"  # its sampled checksum is another: saved again
+    damaged_copy = target.parent / "damaged.data"
+    _overwrite(data, size // 3 + 100 if whole else size // 4, 512 if whole else size // 2)
+    shutil.copy2(data, damaged_copy)
+    if whole:  # a launch's sampled check does not reach them; every byte's does
+        from edge_sd.manifest import load_engine_manifest
+
+        key = prepared.cache_key(load_engine_manifest(target), target)
+        assert prepared.saved_model(target, key) == (data.parent / prepared.MODEL, "")
+        assert prepared.saved_model(target, key, whole=True) == (None, f"{prepared.DATA} failed its checksum")
+    again = OrtSession(target, provider="cpu", threads=2, verify_files=whole)
+    assert again.graph_cache == "saved" and "runtime cache was damaged" in again.notes[0], again.notes
+    for a, b in zip(want, _logits(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    if whole:
+        return
+    # negative control: the damaged weights, used as they are, give other logits
+    shutil.copy2(damaged_copy, data)
+    monkeypatch.setattr(prepared, "digest", lambda path, whole: json.loads(
+        (path.parent / prepared.KEY_FILE).read_text())["checksums"][path.name]["whole" if whole else "sampled"])
+    blind = _session(target)
+    assert blind.graph_cache == "loaded"
+    assert any(not np.array_equal(a, b) for a, b in zip(want, _logits(blind), strict=True))
+
+
+def test_a_killed_first_loads_leftovers_are_removed(target: Path) -> None:
+    """A first load killed while saving leaves its temporary folder (up to a GB): the next load that
+    saves removes those of processes that no longer run, and leaves a running one's alone."""
+    import subprocess
+
+    cache = target / prepared.CACHE_DIR
+    cache.mkdir()
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # a pid that ran and ended
+    orphan = cache / f".{prepared.ORT_DIR}-{ended.pid}-x1y2"
+    orphan.mkdir()
+    (orphan / prepared.DATA).write_bytes(b"half written")
+    alive = cache / f".{prepared.ORT_DIR}-1-zz"  # pid 1 runs
+    alive.mkdir()
+    assert _session(target).graph_cache == "saved"
+    assert not orphan.exists() and alive.exists()
+    assert {p.name for p in cache.iterdir()} == {alive.name, prepared.ORT_DIR}
+
+
+def test_damaged_vocabulary_tables_are_spelled_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Truncated, or random bytes of the same size (zip's CRC checks each member): read as missing,
+    spelled again and saved over."""
+    from test_vocab import TOKENIZERS
+
+    path = tmp_path / "tokenizer.json"
+    shutil.copy2(TOKENIZERS["qwen3"], path)
+    fresh = Vocab.from_file(path, [1])
+    tables = tmp_path / "cache" / TABLES_FILE
+    Vocab.from_file(path, [1], cache=tmp_path / "cache")
+    size = tables.stat().st_size
+    for damage in ("truncate", "overwrite"):
+        if damage == "truncate":
+            tables.write_bytes(tables.read_bytes()[: size // 2])
+        else:
+            _overwrite(tables, size // 3, size // 3)
+        again = Vocab.from_file(path, [1], cache=tmp_path / "cache")
+        assert again.token_bytes == fresh.token_bytes
+        with monkeypatch.context() as m:  # saved over, whole: the next load reads it
+            m.setattr(Tables, "build", lambda *a: pytest.fail("spelled again despite tables saved over"))
+            assert Vocab.from_file(path, [1], cache=tmp_path / "cache").token_bytes == fresh.token_bytes
+
+
 def test_an_unwritable_folder_or_the_switch_loads_without_a_cache(target: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     (target / prepared.CACHE_DIR).write_text("a file where the cache folder would go")

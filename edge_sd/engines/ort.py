@@ -16,7 +16,7 @@ from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
 from edge_sd.engines.providers import PROVIDERS, UNVERIFIED, resolve_providers, tensorrt_options
-from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError
+from edge_sd.errors import ArtifactError, ContextLimitError, ProviderError, UsageError
 from edge_sd.manifest import KEEP_INPUT, WINDOW_INPUT, EngineManifest, check_files, load_engine_manifest
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -57,11 +57,16 @@ class OrtSession:
         with min_step_positions given, as a drafter's is: the consistency check a session on another
         provider runs at build could change what engines made before it read.
         """
+        if threads is not None and threads < 1:
+            raise UsageError(f"threads must be at least 1, got {threads}", field="threads")
         if defer and min_step_positions is None:
             raise ValueError("a deferred session needs min_step_positions (engines read it before the build)")
         self.folder = Path(folder)
         self.manifest: EngineManifest = load_engine_manifest(self.folder)
         check_files(self.manifest, self.folder, full=verify_files)
+        self.verify_files = verify_files
+        # What a user should hear of the load (a runtime cache prepared again because it was damaged).
+        self.notes: list[str] = []
         m = self.manifest
         host_memory.map_large_blocks()
         self._own_min_step = min_step_positions is None  # else a caller's: not measured at build
@@ -172,7 +177,9 @@ class OrtSession:
         if not prepared.wanted(self.manifest, names):
             return self._session(original, opts, chosen), ""
         key = prepared.cache_key(self.manifest, self.folder)
-        saved = prepared.saved_model(self.folder, key)
+        saved, damaged = prepared.saved_model(self.folder, key, whole=self.verify_files)
+        if damaged:
+            self.notes.append(f"{self.manifest.name}: its runtime cache was damaged ({damaged}); prepared again")
         if saved is not None:
             level = opts.graph_optimization_level
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already

@@ -11,6 +11,13 @@ The saved graph is what ONNX Runtime itself built from the engine, so it compute
 for bit (tests/test_prepared.py). It is used only where it was made: the key (key.json) names the
 engine's files, the ONNX Runtime version and the CPU, and any change prepares it again. Set
 EDGE_SD_RUNTIME_CACHE=0 to neither read nor write it (a read-only folder is skipped silently).
+
+A cache that lies would give wrong text that looks right (a weights file overwritten with other bytes
+of the same size ran, and gave token 0 over and over), so key.json also holds each file's checksum,
+checked before the graph is used: a mismatch prepares it again. A launch checks the graph whole and
+samples blocks of the weights file (SAMPLES blocks spread over it, with its size): hashing all of a
+270M model's weights would add a large share of a later launch, while a damaged stretch of any
+length reaches a sampled block sooner or later. `--verify` (check_files) hashes every byte.
 """
 
 from __future__ import annotations
@@ -21,23 +28,26 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 from pathlib import Path
 
 import onnxruntime as ort
 
 from edge_sd.manifest import EngineManifest
+from edge_sd.scratch import scratch_folder
 
 CACHE_DIR = "runtime_cache"
 ORT_DIR = "ort"
 KEY_FILE = "key.json"
 MODEL = "model.onnx"
 DATA = "model.onnx.data"
-FORMAT = 1
+FORMAT = 2  # 2: key.json holds the files' checksums
 # Engines smaller than this build their sessions in a fraction of a second and hold little twice:
 # saving them would cost a launch more than it saves.
 MIN_BYTES = 16 << 20
 ENV = "EDGE_SD_RUNTIME_CACHE"
+# A launch's check of the weights file: this many blocks of SAMPLE_BYTES, evenly spread, and its last.
+SAMPLES = 256
+SAMPLE_BYTES = 16 << 10
 
 
 def enabled() -> bool:
@@ -85,14 +95,47 @@ def wanted(m: EngineManifest, providers: list[str]) -> bool:
     return enabled() and providers == ["CPUExecutionProvider"] and weights >= MIN_BYTES
 
 
-def saved_model(folder: Path, key: dict) -> Path | None:
-    """The saved graph beside the engine, if it was made from what `key` describes."""
+def digest(path: Path, whole: bool) -> str:
+    """A checksum of a file: of every byte, or (whole False, a file larger than the samples) of its
+    size and SAMPLES blocks spread evenly over it and its last block."""
+    h = hashlib.blake2b(digest_size=16)
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if whole or size <= 2 * SAMPLES * SAMPLE_BYTES:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                h.update(chunk)
+        else:
+            for offset in [i * (size // SAMPLES) for i in range(SAMPLES)] + [size - SAMPLE_BYTES]:
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def checksums(where: Path) -> dict:
+    """The saved graph's files' checksums, as key.json keeps them: sampled and whole."""
+    return {name: {"sampled": digest(where / name, whole=False), "whole": digest(where / name, whole=True)}
+            for name in (MODEL, DATA)}
+
+
+def saved_model(folder: Path, key: dict, whole: bool = False) -> tuple[Path | None, str]:
+    """The saved graph beside the engine, if it was made from what `key` describes and its files match
+    their checksums (whole: every byte hashed, else sampled); and why not, where there is one that
+    does not ("" where there is none, or it is stale)."""
     where = Path(folder) / CACHE_DIR / ORT_DIR
     try:
-        ok = json.loads((where / KEY_FILE).read_text(encoding="utf-8")) == key
-    except (OSError, ValueError):
-        return None
-    return where / MODEL if ok and (where / MODEL).is_file() and (where / DATA).is_file() else None
+        saved = json.loads((where / KEY_FILE).read_text(encoding="utf-8"))
+        sums = saved.pop("checksums", None)
+    except (OSError, ValueError, AttributeError):
+        return None, "unreadable" if where.is_dir() else ""
+    if saved != key:  # stale (an older format's included): prepared again, nothing to report
+        return None, ""
+    kind = "whole" if whole else "sampled"
+    try:
+        bad = [name for name in (MODEL, DATA) if digest(where / name, whole) != sums[name][kind]]
+    except (OSError, KeyError, TypeError):
+        return None, "unreadable"
+    return (None, f"{', '.join(bad)} failed its checksum") if bad else (where / MODEL, "")
 
 
 def save_to(opts: ort.SessionOptions, folder: Path) -> Path | None:
@@ -102,7 +145,7 @@ def save_to(opts: ort.SessionOptions, folder: Path) -> Path | None:
     parent = Path(folder) / CACHE_DIR
     try:
         parent.mkdir(exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{ORT_DIR}-", dir=parent))
+        tmp = scratch_folder(parent, f".{ORT_DIR}-")  # a killed first load's is removed here
         tmp.chmod(0o755)  # mkdtemp's folder is its owner's only; the engine's folder is not
     except OSError:
         return None
@@ -119,9 +162,9 @@ def commit(tmp: Path, folder: Path, key: dict) -> None:
     try:
         if not (tmp / MODEL).is_file() or not (tmp / DATA).is_file():
             raise OSError("ONNX Runtime saved no graph")
-        (tmp / KEY_FILE).write_text(json.dumps(key) + "\n", encoding="utf-8")
+        (tmp / KEY_FILE).write_text(json.dumps({**key, "checksums": checksums(tmp)}) + "\n", encoding="utf-8")
         if final.exists():
-            old = final.with_name(f".{ORT_DIR}-old-{os.getpid()}")
+            old = final.with_name(f".{ORT_DIR}-{os.getpid()}-old")
             final.rename(old)
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)

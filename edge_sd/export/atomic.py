@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from edge_sd.errors import UsageError
+from edge_sd.scratch import scratch_folder
 
 
 @contextmanager
@@ -23,11 +23,15 @@ def atomic_folder(dest: Path, force: bool = False) -> Iterator[Path]:
     if dest.exists() and not force:
         raise UsageError(f"{dest} already exists; pass --force to replace it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    tmp = scratch_folder(dest.parent, f".{dest.name}.partial-")
+    # mkdtemp makes its folder its owner's alone; the artifact folder is made as any other folder
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
         if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            old = scratch_folder(dest.parent, f".{dest.name}.old-")
             os.replace(dest, old / dest.name)
             os.replace(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ from edge_sd.manifest import (
     file_entries,
     save,
 )
+from edge_sd.scratch import scratch_folder
 
 TOKENIZER_FILE = "tokenizer.json"
 TASK = "text-generation-with-past"
@@ -229,40 +230,47 @@ def export_engine(
     """Export one model into `dest` (an existing, empty folder) and validate it."""
     opts = replace(opts, precision=resolve_precision(opts.precision, src))
     _quiet()
+    workdir = scratch_folder(Path(tempfile.gettempdir()), "edge-sd-export-")
+    try:
+        return _export_engine_in(src, dest, opts, tokenizer, step, name, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str | None, step: Step, name: str | None,
+                      workdir: Path) -> EngineManifest:
     from transformers import AutoConfig, GenerationConfig
 
-    with tempfile.TemporaryDirectory(prefix="edge-sd-export-") as work:
-        workdir = Path(work)
-        hf_src, tok = resolve_source(src, workdir, step)
-        try:
-            config = AutoConfig.from_pretrained(hf_src)
-        except Exception as e:
-            raise ExportError(f"could not read the model config of {src}: {_short(e)}") from None
-        try:
-            gen = GenerationConfig.from_pretrained(hf_src)
-        except Exception:
-            gen = None
-        tj = _tokenizer_json(tok, tokenizer, dest)
-        path = choose_exporter(opts.exporter, config, hf_src)
-        if opts.precision not in SUPPORTED_PRECISIONS[path]:
-            raise UsageError(f"precision {opts.precision} is not available on the {path} path; use one of "
-                             f"{', '.join(SUPPORTED_PRECISIONS[path])}")
-        # auto falls back to optimum where the builder cannot make an engine that validates (a model
-        # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
-        fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
-                    and opts.precision in SUPPORTED_PRECISIONS["optimum"])
-        job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer)
-        try:
-            return _export_path(job, path)
-        except ExportError as e:
-            if not fallback:
-                raise
-            for f in dest.iterdir():
-                if f.name != TOKENIZER_FILE:
-                    shutil.rmtree(f) if f.is_dir() else f.unlink()
-            with step(f"the model builder's engine failed ({e}); exporting with optimum instead"):
-                pass
-            return _export_path(job, "optimum")
+    hf_src, tok = resolve_source(src, workdir, step)
+    try:
+        config = AutoConfig.from_pretrained(hf_src)
+    except Exception as e:
+        raise ExportError(f"could not read the model config of {src}: {_short(e)}") from None
+    try:
+        gen = GenerationConfig.from_pretrained(hf_src)
+    except Exception:
+        gen = None
+    tj = _tokenizer_json(tok, tokenizer, dest)
+    path = choose_exporter(opts.exporter, config, hf_src)
+    if opts.precision not in SUPPORTED_PRECISIONS[path]:
+        raise UsageError(f"precision {opts.precision} is not available on the {path} path; use one of "
+                         f"{', '.join(SUPPORTED_PRECISIONS[path])}")
+    # auto falls back to optimum where the builder cannot make an engine that validates (a model
+    # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
+    fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
+                and opts.precision in SUPPORTED_PRECISIONS["optimum"])
+    job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer)
+    try:
+        return _export_path(job, path)
+    except ExportError as e:
+        if not fallback:
+            raise
+        for f in dest.iterdir():
+            if f.name != TOKENIZER_FILE:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+        with step(f"the model builder's engine failed ({e}); exporting with optimum instead"):
+            pass
+        return _export_path(job, "optimum")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def export(
             engines[role] = export_engine(src, tmp / role, role_opts, tok, step, name=source_name(src))
             summary["engines"][role] = _engine_summary(engines[role], tmp / role)
         with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
-            stats = write_pair(tmp, engines["target"], engines["drafter"])
+            stats = write_pair(tmp, engines["target"], engines["drafter"], name=Path(out).name)
         if opts.device == "cpu":
             with step("the engines' costs (what seeded generations plan with)"):
                 write_costs(tmp)
@@ -90,7 +90,7 @@ def write_costs(folder: Path) -> None:
     write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
 
 
-def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest) -> dict:
+def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest, name: str | None = None) -> dict:
     """Write maps.npz and pair.json into a folder that holds target/ and drafter/ engine folders."""
     tv = Vocab.from_file(folder / "target" / target.tokenizer_file, target.eos_token_ids)
     dv = Vocab.from_file(folder / "drafter" / drafter.tokenizer_file, drafter.eos_token_ids)
@@ -104,7 +104,7 @@ def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest) ->
     }
     pm = PairManifest(
         format_version=FORMAT_VERSION,
-        name=folder.name,
+        name=name or folder.name,  # the folder's final name, not that of the one it is built in
         target="target",
         drafter="drafter",
         same_vocabulary=same_vocabulary(tv, dv),
