@@ -126,7 +126,9 @@ def report(result: dict) -> str:
         "",
         f"{result['date']}; {m['cpu']}, {m['cores']} cores; the target's logits over {result['rows']} positions of "
         f"news and code ({result['vocab']:,} entries a row), each setting {result['repeats']} times, interleaved; "
-        "median time of one draw. Command: `python benchmarks/sampler.py`.",
+        "median time of one draw. Command: `python benchmarks/sampler.py`. Every setting reads a row in "
+        "turn, so all but the first find it in the CPU's caches; in the decoding loop a row comes fresh "
+        "from ONNX Runtime's threads, and reading it costs more.",
         "",
         "| setting | ms a token | tokens kept (median) |",
         "|---|---|---|",

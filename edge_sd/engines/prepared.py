@@ -98,7 +98,7 @@ def wanted(m: EngineManifest, providers: list[str]) -> bool:
 def digest(path: Path, whole: bool) -> str:
     """A checksum of a file: of every byte, or (whole False, a file larger than the samples) of its
     size and SAMPLES blocks spread evenly over it and its last block."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()  # faster than BLAKE2b on CPUs with SHA instructions (x86 SHA-NI, Arm SHA2)
     size = path.stat().st_size
     h.update(str(size).encode())
     with open(path, "rb") as f:
