@@ -302,7 +302,7 @@ def generate(
         cfg.check()
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
         for note in pipe.notes:
-            err.print(f"note: {note}")
+            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
         gen = pipe.generator(cfg)
         if cfg.chat:
             gen.append_chat(text)
@@ -381,7 +381,7 @@ def chat(
         if not model.target.manifest.chat_template:
             raise UsageError(f"{folder} has no chat template: use `edge-sd generate`")
         for note in model.notes:
-            err.print(f"note: {note}")
+            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
         interactive = sys.stdin.isatty()
         if interactive:
             # input() through readline: without it a terminal cuts a pasted line at 4,095 characters

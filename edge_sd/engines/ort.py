@@ -186,6 +186,8 @@ class OrtSession:
             try:
                 return ort.InferenceSession(str(saved), sess_options=opts, providers=chosen), "loaded"
             except Exception:  # damaged: made again below
+                self.notes.append(f"{self.manifest.name}: ONNX Runtime could not load its runtime cache; "
+                                  "prepared again")
                 prepared.discard(saved.parent)
                 opts.graph_optimization_level = level
         tmp = prepared.save_to(opts, self.folder)
