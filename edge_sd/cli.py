@@ -70,7 +70,7 @@ def _fail(e: EdgeSDError) -> None:
     raise typer.Exit(e.exit_code)
 
 
-# The sampler chain's options, shared by generate, chat and bench (llama.cpp's spellings too).
+# The sampler chain's options, shared by generate and chat (llama.cpp's spellings too).
 TEMPERATURE = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy.")
 TOP_K = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: the fewest tokens holding this mass (1 = off).")
@@ -385,7 +385,10 @@ def chat(
         interactive = sys.stdin.isatty()
         if interactive:
             # input() through readline: without it a terminal cuts a pasted line at 4,095 characters
-            import readline  # noqa: F401
+            try:
+                import readline  # noqa: F401
+            except ImportError:  # not on every platform
+                pass
         gen = model.generator(cfg)
         if interactive:
             err.print("chat: /reset starts anew, Ctrl-C ends a reply, Ctrl-D ends the session", highlight=False)

@@ -74,9 +74,9 @@ class GenerationConfig:
             raise UsageError(f"unknown lookahead schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         return replace(self, algorithm=algorithm)
 
-
     @property
     def sampling(self) -> SamplingConfig:
+        """The sampler chain's settings."""
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
                               self.repeat_last_n, self.presence_penalty, self.frequency_penalty)
 
