@@ -713,7 +713,24 @@ def _window_views(views: dict) -> str:
 
 
 def main() -> None:
-    app()
+    """The `edge-sd` command. A value the option parser itself refuses (`-n 1e9`, an unknown option)
+    is one line too, as edge-sd's own errors are, instead of the usage and a boxed message."""
+    try:
+        code = app(standalone_mode=False)
+    except Exception as e:
+        # The parser's errors (click's, vendored in newer typer) carry their message and exit code.
+        message, exit_code = getattr(e, "format_message", None), getattr(e, "exit_code", None)
+        if type(e).__name__ == "Abort":  # end of input where a command asked for more
+            err.print("aborted", highlight=False)
+            sys.exit(1)
+        if not callable(message) or not isinstance(exit_code, int):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare command: its help, as before
+            e.show()  # type: ignore[attr-defined]
+        else:
+            err.print(f"[red]error:[/red] {escape(message())}", highlight=False, soft_wrap=True)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,26 @@ def test_ctrl_c_prints_what_was_generated(tiny_root: Path, monkeypatch: pytest.M
         assert r.stdout.strip() and "stop: interrupted" in r.stderr
 
 
+def test_the_commands_parser_errors_are_one_line(tiny_root: Path) -> None:
+    """The installed command (`edge-sd`, cli.main): a value the option parser refuses, an unknown
+    option, a missing argument: one line, exit code 2, stdout empty; help and a bare command as before."""
+    import subprocess
+    import sys
+
+    exe = str(Path(sys.executable).with_name("edge-sd"))
+    pair = str(tiny_root / "pairs" / "gemma_qwen")
+    for args, fragment in ((["generate", pair, "-p", "x", "-n", "1e9"], "Invalid value for '--max-new-tokens'"),
+                           (["generate", pair, "-p", "x", "--bogus"], "No such option: --bogus"),
+                           (["generate"], "Missing argument")):
+        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout == "", (args, r)
+        assert r.stderr.startswith("error:") and fragment in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    helped = subprocess.run([exe, "generate", "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--top-p" in helped.stdout
+    bare = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+    assert "generate" in bare.stdout + bare.stderr and "Traceback" not in bare.stderr
+
+
 def test_impossible_thread_counts_are_refused(tiny_root: Path) -> None:
     r = run("generate", str(tiny_root / "pairs" / "gemma_qwen"), "-p", "x", "--threads", "-2")
     assert_clean_error(r, "--threads must be at least 1, got -2")
