@@ -267,7 +267,8 @@ class Rows:
         """The tokens row i's penalties count."""
         if not self.cfg.penalized:
             return ()
-        return self.cfg.window(list(self.history) + [c for c in self.candidates[:i] if c >= 0])
+        before = [c for c in self.candidates[:i] if c >= 0]
+        return self.cfg.window(list(self.history) + before if before else self.history)
 
     def dist(self, i: int) -> Dist:
         if i not in self._rows:
