@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ try:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-except ImportError as e:  # the runtime alone (pip install edge-sd) has no command line
-    raise SystemExit(f"edge-sd's command line needs its extra: pip install 'edge-sd[cli]' ({e})") from None
+except ImportError as e:  # the runtime alone (`pip install .`) has no command line
+    raise SystemExit(f"edge-sd's command line needs its extra: pip install '.[cli]' in a clone of edge-sd "
+                     f"({e})") from None
 
 from edge_sd import text_input
 from edge_sd.errors import ContextLimitError, EdgeSDError, UsageError
@@ -47,6 +49,17 @@ def _main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Lossless speculative decoding across vocabularies, on ONNX Runtime."""
+    log = logging.getLogger("edge_sd")
+    if not any(isinstance(h, _NoteHandler) for h in log.handlers):
+        log.addHandler(_NoteHandler())
+        log.setLevel(logging.INFO)
+
+
+class _NoteHandler(logging.Handler):
+    """The runtime's log lines (leftovers removed, caches rebuilt) as the notes the commands print."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(f"note: {escape(record.getMessage())}", highlight=False, soft_wrap=True)
 
 
 # Every command's --threads: None leaves ONNX Runtime its default (a thread per physical core).
@@ -154,33 +167,39 @@ def export(
     with _errors():
         try:
             from edge_sd.export.hf import ExportOptions
-            from edge_sd.export.pair import default_out
+            from edge_sd.export.pair import check, default_out
             from edge_sd.export.pair import export as do_export
         except ImportError as e:
-            raise UsageError(f"export needs the export extra: pip install 'edge-sd[export]' ({e})") from None
+            raise UsageError(f"export needs the export extra: pip install '.[export]' in a clone of edge-sd "
+                             f"({e})") from None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         dest = out_dir or default_out(target, drafter)
         opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate,
                              exporter=exporter, device=device)
         drafter_opts = replace(opts, precision=drafter_precision) if drafter_precision else opts
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err, transient=False) as progress:
+        if drafter_precision and drafter is None:
+            raise UsageError("--drafter-precision sets the drafter's: give one with --drafter")
+        check(target, drafter, opts, drafter_opts, tokenizer, drafter_tokenizer, vocab_keep)
+        # started at the first step, so that an export refused before any leaves its error alone on stderr
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err)
 
-            @contextmanager
-            def step(name: str) -> Iterator[None]:
-                task = progress.add_task(name, total=None)
-                try:
-                    yield
-                finally:
-                    progress.update(task, total=1, completed=1)
-                    progress.stop_task(task)
+        @contextmanager
+        def step(name: str) -> Iterator[None]:
+            progress.start()
+            task = progress.add_task(name, total=None)
+            try:
+                yield
+            finally:
+                progress.update(task, total=1, completed=1)
+                progress.stop_task(task)
 
-            if vocab_keep is not None and drafter is None:
-                raise UsageError("--drafter-vocab-keep prunes a drafter: give one with --drafter")
+        try:
             summary = do_export(target, drafter, dest, opts, tokenizer, drafter_tokenizer, force, step,
-                                drafter_opts=drafter_opts, vocab_keep=vocab_keep, corpus=corpus,
-                                cache=_cache())
+                                drafter_opts=drafter_opts, vocab_keep=vocab_keep, corpus=corpus, cache=_cache())
+        finally:
+            if progress.live.is_started:
+                progress.stop()
         if as_json:
             sys.stdout.write(json.dumps(summary, default=str) + "\n")
         else:
@@ -241,7 +260,7 @@ def _print_export_summary(summary: dict) -> None:
 def generate(
     folder: Path = typer.Argument(..., help="Pair folder or single-engine folder."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (else --prompt-file or stdin)."),
-    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f", help="Read the prompt from a file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
@@ -269,7 +288,7 @@ def generate(
         "otherwise]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt (auto: CUDA where "
                                  "available, else the CPU; tensorrt only by name)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, ids, stats)."),
     no_stream: bool = typer.Option(False, "--no-stream", help="Print the text at the end only."),
     verify: bool = typer.Option(False, "--verify", help="Check file checksums before loading."),
@@ -354,7 +373,7 @@ def chat(
     draft_max: Optional[int] = typer.Option(None, "--draft-max",
                                             help="The longest draft \\[6 with auto, a prompt lookup's 16]."),
     provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
 ) -> None:
     """Chat in the terminal: each line you type is a user turn; the reply streams, then its statistics.
 
@@ -455,18 +474,14 @@ def inspect(
       edge-sd inspect engines/gemma3-270m_smollm2-135m
     """
     with _errors():
-        from edge_sd.manifest import ENGINE_FILE, PAIR_FILE, load_engine_manifest, load_pair_manifest
+        from edge_sd.manifest import export_kind, load_engine_manifest, load_pair_manifest
 
-        if not folder.is_dir():
-            raise UsageError(f"{folder} is not a folder")
-        if (folder / PAIR_FILE).is_file():
+        if export_kind(folder) == "pair":
             pm = load_pair_manifest(folder)
             roles = {"target": folder / pm.target, "drafter": folder / pm.drafter}
-        elif (folder / ENGINE_FILE).is_file():
+        else:
             pm = None
             roles = {"model": folder}
-        else:
-            raise UsageError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}")
         manifests = {role: load_engine_manifest(p) for role, p in roles.items()}
         if as_json:
             import dataclasses
@@ -509,7 +524,7 @@ def calibrate(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="New tokens per prompt."),
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="Algorithms to record."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy drafting and verification."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
 ) -> None:
     """Fit DISCO's classifier (when to stop a draft) on runs of this pair, into <pair>/disco.json.
 
@@ -526,18 +541,21 @@ def calibrate(
         from edge_sd.bench import prompts as prompt_sets
         from edge_sd.calibrate import calibrate as run_calibration
         from edge_sd.calibrate import read_prompts
+        from edge_sd.manifest import export_kind
         from edge_sd.pipeline import Pipeline
 
+        if export_kind(folder) != "pair":  # before the prompt sets are fetched
+            raise UsageError(f"calibrate fits a pair's drafts: {folder} holds one engine")
+        algos = tuple(a for a in algorithms.split(",") if a)
+        for a in algos:
+            if a not in ("standard", "slem", "tli", "slrs", "rdk"):
+                raise UsageError(f"unknown algorithm {a!r}")
         if prompts is not None:
             texts = read_prompts(prompts)
         else:
             cache = _cache()
             texts = [p.text for s in prompt_sets.SETS for p in prompt_sets.load(s, cache, per_set)]
         pipe = Pipeline.from_folder(folder, threads=threads)
-        algos = tuple(a for a in algorithms.split(",") if a)
-        for a in algos:
-            if a not in ("standard", "slem", "tli", "slrs", "rdk"):
-                raise UsageError(f"unknown algorithm {a!r}")
         found = run_calibration(pipe, folder, texts, algos, draft_max, max_new_tokens, temperature,
                                 progress=lambda msg: err.print(msg, highlight=False))
         out.print_json(data=found)
@@ -573,7 +591,7 @@ def bench(
     algorithms: str = typer.Option("slem,tli,slrs", "--algorithms", help="edge-sd algorithms to run."),
     modes: str = typer.Option("greedy,sample", "--modes", help="greedy (T=0), sample (T=1, no filters) and/or "
                               "chat (T=0.8, top-k 40, top-p 0.95, min-p 0.05; llama.cpp with the same chain)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + " torch takes as many."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP + " torch takes as many."),
     transformers: bool = typer.Option(False, "--transformers", help="Also transformers' assisted generation on "
                                       "fp32 HF folders of the pair (--hf-dir; the demo pair's by default)."),
     hf_dir: Optional[Path] = typer.Option(None, "--hf-dir", help="fp32 HF folders of target and drafter "
@@ -628,7 +646,9 @@ def bench(
 
         from edge_sd.bench import report
         from edge_sd.bench.run import BenchOptions, configs, run
+        from edge_sd.manifest import export_kind
 
+        export_kind(folder)
         cache = _cache()
         opts = BenchOptions(
             pair=folder, cache=cache, per_set=per_set, max_new_tokens=max_new_tokens,
@@ -674,12 +694,12 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
         from edge_sd.bench import engine_report, prompts
         from edge_sd.bench.engines import EngineCase, EngineOptions, run
         from edge_sd.bench.run import machine
-        from edge_sd.manifest import PAIR_FILE, load_pair_manifest
+        from edge_sd.manifest import export_kind, load_pair_manifest
 
         ks = _int_list(k, "--draft-lengths")
         if len(ks) != 1:
             raise UsageError("--engines times one draft length: give --draft-lengths as one number (e.g. 3)")
-        if (folder / PAIR_FILE).is_file():
+        if export_kind(folder) == "pair":
             pm = load_pair_manifest(folder)
             cases = [EngineCase("target", folder / pm.target),
                      EngineCase("drafter", folder / pm.drafter, min_step=1)]  # as the pair runs it

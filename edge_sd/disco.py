@@ -1,5 +1,6 @@
 """DISCO (Mamou et al. 2024): a small classifier that decides after each drafted token whether to draft
-another (ALGORITHMS.md section 6). numpy only; `edge-sd calibrate` fits it on traces of real runs.
+another (docs/algorithms.md, "Choosing per round: `auto`"). numpy only; `edge-sd calibrate` fits it on
+traces of real runs.
 
 Features of a drafted token: the drafter's top probability and the entropy of its distribution (at
 temperature 1, whatever the sampling settings: they measure the drafter's confidence), the token's

@@ -1,4 +1,5 @@
-"""How many tokens to draft, and with which algorithm (ALGORITHMS.md sections 6 and 6b).
+"""How many tokens to draft, and with which algorithm (docs/algorithms.md,
+"Choosing per round: `auto`").
 
 A schedule plans each round from the past only (never from this round's draws), which is why every
 schedule is lossless: it changes the speed, never the output. `plan` returns the proposer and the
@@ -6,7 +7,7 @@ number of tokens m to draft (0: a plain step); `observe` takes what the round co
 
 - static: a fixed k;
 - heuristic: k += 2 after a round where every candidate was accepted, else k -= 1 (at least 1);
-- cost: the cost-aware choice of section 6b: the m (and algorithm) that maximises expected tokens per
+- cost: the cost-aware choice: the m (and algorithm) that maximises expected tokens per
   second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
   nor when what the rest of the generation would gain does not cover the drafter's catching up (its
   prompt, first of all), with a short probe every few plain steps so that a text where drafts start to
@@ -231,7 +232,7 @@ def tokens_by_length(rates: list[float]) -> list[float]:
 
 
 class CostSchedule:
-    """Section 6b: choose m in 0..K and the algorithm maximising expected tokens per second.
+    """Choose m in 0..K and the algorithm maximising expected tokens per second.
 
     The costs come from a CostModel (cost_model.py): a target forward over s positions (calibrated at
     load, then followed online), the drafting cost per drafted token per algorithm as the rounds run
@@ -365,8 +366,8 @@ class CostSchedule:
             # The drafter's catching up is paid once, whatever follows: a draft starts only where the
             # rest of the generation (budget + 1 tokens), drafted at the estimated rate, gains it back,
             # and a probe, which cannot know that, only where it costs no more than a plain step (or
-            # after PROBE_EVERY_GENERATIONS generations without a draft). At 48 new tokens on the 2-core
-            # CPU the drafter's prompt ate all that sampled drafts gained. The estimates as they are,
+            # after PROBE_EVERY_GENERATIONS generations without a draft): on short generations the
+            # drafter's prompt can cost all that drafts gain. The estimates as they are,
             # not greedy decoding's optimistic depths: optimism explores draft lengths, and paying a
             # prompt's catching up on a hope made greedy auto slower than prompt lookup alone where
             # the lookup took most rounds anyway.
@@ -443,11 +444,10 @@ class StoppedSchedule:
         self.stop = stop
 
     def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        # On the cost model, the cost model decides whether a draft starts, the stop rule when it ends.
-        # DISCO's threshold was fitted on tokens per second at calibration; stopping where the cost
-        # model's estimates said the next token would not pay (DISCO's probability times the next
-        # position's acceptance) ran slower side by side (held-out greedy prompts, 2 passes: 1.26x/1.39x
-        # against 1.32x/1.44x, means), as did drafts capped at the cost model's length (1.28x/1.42x).
+        # On the cost model, the cost model decides whether a draft starts, the stop rule when it ends:
+        # DISCO's threshold was fitted on tokens per second at calibration, and overriding it with the
+        # cost model's marginal test (or capping drafts at the cost model's length) ran slower side by
+        # side on held-out prompts.
         return replace(self.inner.plan(budget, open_ended=True), stop=self.stop)
 
     def observe(self, plan: Plan, r: Round) -> None:
@@ -492,8 +492,7 @@ class DiscoSchedule(StoppedSchedule):
 class ConfidenceSchedule(StoppedSchedule):
     """The confidence cut on top of another schedule: on a static k (`-s confidence`), or on the cost
     model, auto's greedy schedule on a pair with no DISCO classifier calibrated for greedy decoding
-    (side by side on 16 held-out prompts of the real pair over two passes, greedy: 1.55x and 1.47x
-    against 1.46x and 1.40x with drafts ended by the cost model's own marginal test, medians)."""
+    (it ran faster side by side than drafts ended by the cost model's own marginal test)."""
 
     name = "confidence"
 

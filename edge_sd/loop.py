@@ -1,4 +1,5 @@
-"""The hot loop: propose, forward, verify, cut the cache, commit (ALGORITHMS.md section 0).
+"""The hot loop: propose, forward, verify, cut the cache, commit (docs/algorithms.md,
+"One round, for every algorithm").
 
 Text, stops and streaming live in text_stream.TextStream; the algorithms in algorithms/; which
 proposer drafts how far in lookahead.py. What is left here is the round itself, the same for plain

@@ -216,6 +216,19 @@ def _load_json(path: Path) -> Any:
         raise ArtifactError(f"{path}: not valid JSON ({e})") from None
 
 
+def export_kind(folder: Path) -> str:
+    """"pair" or "engine": what `edge-sd export` wrote into `folder`; ArtifactError for anything else,
+    which every command checks before it loads or downloads anything."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
+    if (folder / PAIR_FILE).is_file():
+        return "pair"
+    if (folder / ENGINE_FILE).is_file():
+        return "engine"
+    raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
+
+
 def load_engine_manifest(folder: Path) -> EngineManifest:
     path = Path(folder) / ENGINE_FILE
     return _from_dict(EngineManifest, _load_json(path), path)

@@ -25,9 +25,8 @@ from edge_sd.engines.ort import OrtEngine, OrtSession
 from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.errors import ArtifactError, UsageError
 from edge_sd.manifest import (
-    ENGINE_FILE,
-    PAIR_FILE,
     EngineManifest,
+    export_kind,
     load_engine_manifest,
     load_pair_manifest,
     sha256_file,
@@ -158,7 +157,7 @@ def render_chat(m: EngineManifest, messages: list[dict[str, str]], add_generatio
     try:
         import jinja2
     except ImportError:
-        raise UsageError("chat templates need jinja2: pip install 'edge-sd[chat]'") from None
+        raise UsageError("chat templates need jinja2: pip install '.[chat]' in a clone of edge-sd") from None
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(msg: str) -> None:
@@ -214,9 +213,7 @@ class Model:
         damaged drafter fails the load rather than a generation.
         """
         folder = Path(path)
-        if not folder.is_dir():
-            raise ArtifactError(f"{folder} is not a folder (expected an edge-sd export)")
-        if (folder / PAIR_FILE).is_file():
+        if export_kind(folder) == "pair":
             pm = load_pair_manifest(folder)
             # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
             # ONNX Runtime repacks each quantized weight while it builds a session, holding a copy
@@ -239,9 +236,7 @@ class Model:
                 target = Side(folder / pm.target, provider, threads, verify, spin="run", session=session)
                 drafter = loading.result()
             return cls._pair(folder, pm, target, drafter)
-        if (folder / ENGINE_FILE).is_file():
-            return cls(Side(folder, provider, threads, verify), folder=folder)
-        raise ArtifactError(f"{folder} has neither {PAIR_FILE} nor {ENGINE_FILE}: not an edge-sd export")
+        return cls(Side(folder, provider, threads, verify), folder=folder)
 
     @classmethod
     def _pair(cls: type[_M], folder: Path, pm: Any, target: Side, drafter: Side) -> _M:
@@ -342,8 +337,8 @@ class Model:
         if stored is not None:
             return stored.extended(k_max)
         target_bytes = sum(f.bytes for f in self.target.manifest.files)
-        # One step is the unit; a forward over s positions, 1% more a position (the measured pairs
-        # here: 1-3%).
+        # One step is the unit; a forward over s positions costs a little more a position (small
+        # models on a CPU are bound by reading their weights, which a longer forward shares).
         target = {s: 1.0 + 0.01 * (s - 1) for s in range(1, k_max + 2)}
         if self.drafter is None:
             return Costs(target, 0.0, 0.0)
@@ -355,7 +350,7 @@ class Model:
         span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
         t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
         # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
-        # (Gemma-3-270M int4 on CUDA: ~30 ms against 3), and a size first met mid-generation would
+        # (several times a step), and a size first met mid-generation would
         # teach the cost model that drafting costs ten times what it does.
         _median_forward(t, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
         one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,

@@ -1,4 +1,4 @@
-"""Counters and timings that every generation returns (ALGORITHMS.md, "Metrics")."""
+"""Counters and timings that every generation returns."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Token bytes for any `tokenizer.json`, and the maps that bridge two vocabularies.
 
-Text is handled as bytes everywhere in the loop (ALGORITHMS.md, "Notation"): a drafter token can end
+Text is handled as bytes everywhere in the loop (docs/algorithms.md, "Lossless, precisely"): a drafter token can end
 in the middle of a UTF-8 character, so nothing here decodes partial bytes to `str` and back.
 """
 

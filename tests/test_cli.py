@@ -71,9 +71,31 @@ def test_inspect(tiny_root: Path) -> None:
     assert "intersection" in r.output and "gemma3_text" in r.output
 
 
-def test_missing_folder(tmp_path: Path) -> None:
-    assert_clean_error(run("generate", str(tmp_path / "nope"), "-p", "x"), "not a folder")
-    assert_clean_error(run("inspect", str(tmp_path / "nope")), "not a folder")
+def test_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command that reads an export refuses a folder that is none with the same one line and
+    exit code (3), before it fetches anything (no prompt set is downloaded into the cache)."""
+    monkeypatch.setenv("EDGE_SD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    for folder, why in ((tmp_path / "nope", "not a folder"), (tmp_path / "empty", "not an edge-sd export")):
+        for command in (["generate", str(folder), "-p", "x"], ["chat", str(folder)], ["inspect", str(folder)],
+                        ["calibrate", str(folder)], ["bench", str(folder)], ["bench", str(folder), "--engines"]):
+            r = run(*command, input="hi\n")
+            assert_clean_error(r, why)
+            assert r.exit_code == 3 and len(r.stderr.strip().splitlines()) == 1, (command, r.output)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_llama_cpp_spellings(tiny_root: Path, tmp_path: Path) -> None:
+    """-t for threads and -f for a prompt file, as llama.cpp's users type them."""
+    pair = str(tiny_root / "pairs" / "gemma_qwen")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The cat", encoding="utf-8")
+    a = run("generate", pair, "-f", str(prompt), "-n", "5", "-t", "1", "--temp", "0", "--json")
+    b = run("generate", pair, "--prompt-file", str(prompt), "-n", "5", "--threads", "1", "--json")
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+    assert run("chat", pair, "-n", "3", "-t", "1", input="Hi\n").exit_code == 0
+    assert_clean_error(run("generate", pair, "-p", "x", "-t", "0"), "--threads")
 
 
 @pytest.fixture()
@@ -296,33 +318,60 @@ def test_tables_are_whole_when_piped(tiny_root: Path) -> None:
     assert data["target"]["name"] == "sp_gemma" and data["pair"]["same_vocabulary"] is False
 
 
-# A bounded fuzz of `generate`'s options: odd values (negative, zero, huge, not numbers, not UTF-8)
+# A bounded fuzz of each command's options: odd values (negative, zero, huge, not numbers, not UTF-8)
 # for each, a few at a time. Each run ends with a documented exit code and, where it fails, one line
 # on stderr: never a traceback.
 ODD = ["-1", "0", "1", "0.5", "1e9", "-1e9", "nan", "inf", "x", "", "abc\udcff"]
-OPTIONS = ["--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
-           "--presence-penalty", "--frequency-penalty", "-n", "--draft-max", "--threads", "--seed", "--stop",
-           "-a", "--lookahead-schedule", "--provider"]
+CHAIN = ["--temperature", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
+         "--presence-penalty", "--frequency-penalty", "-n", "--draft-max", "--threads", "--seed", "-a", "--provider"]
+OPTIONS = {"generate": CHAIN + ["--stop", "--lookahead-schedule"], "chat": CHAIN,
+           "inspect": ["--threads", "--provider"],
+           "export": ["--precision", "--drafter-precision", "--max-context", "--exporter", "--device",
+                      "--drafter-vocab-keep", "--tokenizer", "--drafter-tokenizer", "-o", "-d"]}
 
 
-def test_generate_options_fuzzed(tiny_root: Path) -> None:
+def _fuzz(command: str, head: list[str], input: bytes | None = None, examples: int = 40) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    pair = str(tiny_root / "pairs" / "gemma_qwen")
-
-    @settings(max_examples=60, deadline=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(st.lists(st.tuples(st.sampled_from(OPTIONS), st.sampled_from(ODD)), min_size=1, max_size=3))
+    @given(st.lists(st.tuples(st.sampled_from(OPTIONS[command]), st.sampled_from(ODD)), min_size=1, max_size=3))
     def check(options: list[tuple[str, str]]) -> None:
-        args = ["generate", pair, "-p", "The cat", "-n", "4"]
+        args = [command, *head]
         for flag, value in options:
             args += [flag, value]
-        r = CliRunner().invoke(app, args)
-        assert r.exit_code in (0, 2, 5, 6), (args, r.exit_code, r.output)
+        r = CliRunner().invoke(app, args, input=input)
+        assert r.exit_code in (0, 2, 4, 5, 6), (args, r.exit_code, r.output)
         assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), (
             args, r.output)
         if r.exit_code and "Usage:" not in r.stderr:  # edge-sd's own errors; the parser's show the usage
             assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), (args, r.stderr)
 
     check()
+
+
+def test_generate_options_fuzzed(tiny_root: Path) -> None:
+    _fuzz("generate", [str(tiny_root / "pairs" / "gemma_qwen"), "-p", "The cat", "-n", "4"], examples=60)
+
+
+def test_chat_options_fuzzed(tiny_root: Path) -> None:
+    _fuzz("chat", [str(tiny_root / "pairs" / "gemma_qwen"), "-n", "4"], input=b"Hi\n\xff\nBye\n")
+
+
+def test_inspect_options_fuzzed(tiny_root: Path) -> None:
+    _fuzz("inspect", [str(tiny_root / "pairs" / "gemma_qwen")], examples=20)
+
+
+def test_export_options_fuzzed(tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option is checked before any model is read: what passes the checks reaches the export
+    proper, which stands in here as one that refuses (the real export is tested elsewhere)."""
+    from edge_sd.errors import ExportError
+    from edge_sd.export import pair as pair_module
+
+    def reached(*args, **kwargs):
+        raise ExportError("checks passed")
+
+    monkeypatch.setattr(pair_module, "atomic_folder", reached)
+    monkeypatch.chdir(tmp_path)
+    _fuzz("export", ["-t", str(tiny_root / "hf" / "bl_llama"), "--json"])

@@ -77,6 +77,40 @@ def test_doc_links_resolve() -> None:
     assert not broken, broken
 
 
+def _headings(doc: Path) -> set[str]:
+    return {m.strip() for m in re.findall(r"^#+ (.*)$", doc.read_text(encoding="utf-8"), re.M)}
+
+
+def _slug(heading: str) -> str:
+    """The anchor a markdown heading gets (GitHub's rule: lower case, punctuation dropped, spaces to -)."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def test_references_name_real_headings() -> None:
+    """Code and docs cite the docs as `docs/NAME.md, "Heading"` or link `NAME.md#anchor`: each names a
+    file and a heading that are there, and nothing cites a file or numbered section the repository
+    does not have."""
+    broken = []
+    for path in tracked(".py", ".md", ".sh"):
+        if path.name == "test_docs.py":  # its own docstring shows the forms
+            continue
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        for doc, heading in re.findall(r'(docs/[\w-]+\.md),?\s+"([^"]+)"', text):
+            if not (ROOT / doc).is_file() or re.sub(r"\s+", " ", heading) not in _headings(ROOT / doc):
+                broken.append(f"{where}: {doc}, {heading!r}")
+        for doc in re.findall(r"\b(docs/[\w-]+\.md)\b", text):
+            if not (ROOT / doc).is_file():
+                broken.append(f"{where}: {doc}")
+        if path.suffix == ".md":
+            for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", text):
+                doc = (path.parent / target) if target else path
+                if not re.match(r"[a-z]+:", target) and anchor not in {_slug(h) for h in _headings(doc)}:
+                    broken.append(f"{where}: {target}#{anchor}")
+        broken += [f"{where}: {m}" for m in re.findall(r"ALGORITHMS\.md|\b[Ss]ection \d\w*", text)]
+    assert not broken, broken
+
+
 def test_cli_reference_names_every_option() -> None:
     """docs/cli.md describes every option each command's help offers."""
     reference = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")

@@ -141,6 +141,7 @@ def test_export_cli_end_to_end_and_force(tiny_root: Path, tmp_path: Path) -> Non
     assert r.exit_code == 0, r.output
     assert (out / "pair.json").is_file() and (out / "maps.npz").is_file()
     assert "intersection" in r.output
+    assert f"note: removed {tmp_path / f'.pair.partial-{ended.pid}-abc'}" in r.output.replace("\n", "")
     # the manifest names the folder as it is, not the one it was built in; the folder has the user's umask
     import json
     import os

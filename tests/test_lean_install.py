@@ -46,7 +46,7 @@ print(json.dumps({{"n": len(r.token_ids), "missing": missing}}))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"n": 8, "missing": ["typer", "rich", "jinja2", "torch", "transformers", "matplotlib"]}
     cli = subprocess.run([str(venv / "bin" / "edge-sd"), "--help"], capture_output=True, text=True, cwd=tmp_path)
-    assert cli.returncode != 0 and "pip install 'edge-sd[cli]'" in cli.stderr + cli.stdout
+    assert cli.returncode != 0 and "pip install '.[cli]'" in cli.stderr + cli.stdout
 
 
 def _version(name: str) -> str:

@@ -5,14 +5,17 @@ unwritable cache must only cost time."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from edge_sd import scratch
 from edge_sd import vocab as vocab_module
 from edge_sd.engines import prepared
 from edge_sd.engines.ort import OrtEngine, OrtSession
@@ -118,7 +121,7 @@ def test_a_cache_overwritten_with_bytes_of_its_size_is_prepared_again(target: Pa
     assert any(not np.array_equal(a, b) for a, b in zip(want, _logits(blind), strict=True))
 
 
-def test_a_killed_first_loads_leftovers_are_removed(target: Path) -> None:
+def test_a_killed_first_loads_leftovers_are_removed(target: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A first load killed while saving leaves its temporary folder (up to a GB): the next load that
     saves removes those of processes that no longer run, and leaves a running one's alone."""
     import subprocess
@@ -132,9 +135,20 @@ def test_a_killed_first_loads_leftovers_are_removed(target: Path) -> None:
     (orphan / prepared.DATA).write_bytes(b"half written")
     alive = cache / f".{prepared.ORT_DIR}-1-zz"  # pid 1 runs
     alive.mkdir()
-    assert _session(target).graph_cache == "saved"
-    assert not orphan.exists() and alive.exists()
-    assert {p.name for p in cache.iterdir()} == {alive.name, prepared.ORT_DIR}
+    # named before folders carried a pid: removed once old enough to belong to no running load
+    unnamed_old, unnamed_new = cache / f".{prepared.ORT_DIR}-k3j9x0aa", cache / f".{prepared.ORT_DIR}-q8w7e6rr"
+    unnamed_old.mkdir()
+    unnamed_new.mkdir()
+    long_ago = time.time() - scratch.UNNAMED_AGE_S - 60
+    os.utime(unnamed_old, (long_ago, long_ago))
+    with caplog.at_level(logging.INFO, logger="edge_sd"):
+        assert _session(target).graph_cache == "saved"
+    assert not orphan.exists() and not unnamed_old.exists() and alive.exists()
+    assert {p.name for p in cache.iterdir()} == {alive.name, unnamed_new.name, prepared.ORT_DIR}
+    # each removal is named, with what it held
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 2 and any(str(orphan) in n and f"process {ended.pid}" in n for n in notes)
+    assert any(str(unnamed_old) in n for n in notes)
 
 
 def test_damaged_vocabulary_tables_are_spelled_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -268,7 +268,7 @@ def test_no_healing_where_it_cannot_draft() -> None:
 def test_a_chain_proposes_the_lookups_continuation_then_the_drafters_draft() -> None:
     """History "a b a b": the lookup proposes "a b" (what followed the earlier "a b"); the drafter takes
     that text in and drafts on from it. SLEM's candidates need no q; TLI's rows follow one-hot rows of
-    the lookup's point masses (section 1's rule on a one-hot row is verify_point's)."""
+    the lookup's point masses (the speculative sampling rule on a one-hot row is verify_point's)."""
     from edge_sd.algorithms import ChainProposer, LookupProposer
 
     history = [0, 1, 0, 1]

@@ -1,4 +1,4 @@
-"""RDK (ALGORITHMS.md section 5): the kernel, the pruning choices and the LM-head surgery.
+"""RDK (docs/algorithms.md, "The proposers"): the kernel, the pruning choices and the LM-head surgery.
 
 End-to-end losslessness of RDK and of every algorithm on pruned drafters is in test_lossless.py.
 """

@@ -1,4 +1,4 @@
-"""Proposers and verifiers, one module per algorithm of ALGORITHMS.md."""
+"""Proposers and verifiers, one module per algorithm of docs/algorithms.md."""
 
 from edge_sd.algorithms.base import Draft, DrafterState, Proposer
 from edge_sd.algorithms.chain import ChainProposer

@@ -75,7 +75,8 @@ def scatter_to_targets(q: np.ndarray, mapping: np.ndarray, width: int) -> np.nda
 
 
 class DrafterState:
-    """The drafter engine, its token sequence and the KV sync of ALGORITHMS.md "Drafter sync".
+    """The drafter engine, its token sequence and the KV sync of step 4 in
+    docs/algorithms.md, "One round, for every algorithm".
 
     `ids` is the drafter's sequence: the prompt's drafter tokens, then drafter tokens whose bytes are a
     prefix of the generated text (plus, during a round, drafted tokens). Positions [0, engine.n_cached)

@@ -1,11 +1,12 @@
 """Prompt lookup's continuation extended by the drafter: the text's own repetition first, then the
 drafter's draft continuing it, in one round.
 
-The lookup's candidates are point masses; the drafter's are whatever its algorithm proposes, given the
-text with those candidates in it. Verification is position by position, so each position may have a
-proposal of its own: under sampling a point mass is a one-hot row of q, which section 1's rule
-verifies exactly as `verify_point` does (accept with p(c), else p without c), and SLEM's exact match
-accepts any candidate with p(c) too. So the chain takes the drafting algorithm's verifier whole.
+The lookup's candidates are point masses; the drafter's are whatever its algorithm proposes, given the text
+with those candidates in it. Verification is position by position, so each position may have a proposal of its
+own: under sampling a point mass is a one-hot row of q, which the speculative sampling rule
+(docs/algorithms.md, "The verification rules") verifies exactly as `verify_point` does (accept with p(c), else
+p without c), and SLEM's exact match accepts any candidate with p(c) too. So the chain takes the drafting
+algorithm's verifier whole.
 
 With no match, the drafter drafts alone; a named `lookup+X` is then X with lookup first.
 """

@@ -1,11 +1,11 @@
-"""Section 5: RDK, redistributing drafter kernels, in its first-order (linear-time) form.
+"""RDK, redistributing drafter kernels, in its first-order (linear-time) form.
 
-The drafter's distribution q, restricted to the drafter tokens that have a row in the kernel M (kept
-tokens with a target twin) and renormalised, is pushed through M: psi = q^T M, a sparse product over
-the kernel's non-zeros. A candidate is a draw from psi (greedy: its argmax), verified with section 1's
-rule against psi, so RDK is lossless whatever M is. M (built at export, `edge_sd.export.prune`) keeps
-each row's mass on the twin and moves some to target tokens that a pruned drafter can no longer
-propose, which is how a pruned drafter recovers acceptance.
+The drafter's distribution q, restricted to the drafter tokens that have a row in the kernel M (kept tokens
+with a target twin) and renormalised, is pushed through M: psi = q^T M, a sparse product over the kernel's
+non-zeros. A candidate is a draw from psi (greedy: its argmax), verified with the speculative sampling rule
+against psi, so RDK is lossless whatever M is. M (built at export, `edge_sd.export.prune`) keeps each row's
+mass on the twin and moves some to target tokens that a pruned drafter can no longer propose, which is how a
+pruned drafter recovers acceptance.
 
 After a candidate the drafter continues from its bytes: the drafter token with the same bytes (the
 pruned drafter still embeds every token; only its LM head lost rows), else the drafter's own

@@ -1,4 +1,4 @@
-"""Section 2: SLEM, string-level exact match. The drafter's text is re-tokenized by the target
+"""SLEM, string-level exact match. The drafter's text is re-tokenized by the target
 tokenizer in context; the target's own draws decide, so any candidates are lossless."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Section 4: SLRS, string-level rejection sampling with the one-token decision horizon.
+"""SLRS, string-level rejection sampling with the one-token decision horizon.
 
-A fresh proposal samples d ~ q and proposes g(d), the longest target token that is a prefix of
-bytes(d); its distribution psi = q scattered through g is known exactly. When g(d) covers only part of
-bytes(d), the next proposal is the longest target prefix of the leftover bytes, a point mass given d.
-Both are verified with section 1's rule, which is why the proposer only has to state psi.
+A fresh proposal samples d ~ q and proposes g(d), the longest target token that is a prefix of bytes(d); its
+distribution psi = q scattered through g is known exactly. When g(d) covers only part of bytes(d), the next
+proposal is the longest target prefix of the leftover bytes, a point mass given d. Both are verified with the
+speculative sampling rule (docs/algorithms.md, "The verification rules"), which is why the proposer only has
+to state psi.
 """
 
 from __future__ import annotations

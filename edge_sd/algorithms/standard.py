@@ -1,4 +1,4 @@
-"""Section 1: standard speculative sampling, and the drafting shared with TLI (token-level maps)."""
+"""Standard speculative sampling, and the drafting shared with TLI (token-level maps)."""
 
 from __future__ import annotations
 

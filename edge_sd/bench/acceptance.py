@@ -1,12 +1,11 @@
 """Expected acceptance of TLI and RDK against the drafter's kept vocabulary, without sampling noise.
 
-Along the target's own greedy continuation of each prompt, at every position: p is the target's
-distribution (temperature 1), q the drafter's given the same text (synced as in decoding). A drafted
-token's acceptance probability is sum_t min(p(t), psi(t)) for the proposal psi (ALGORITHMS.md
-section 3): TLI's psi is q restricted to the kept tokens with a target twin; RDK's is that pushed
-through the kernel M. Under greedy decoding a drafted token is accepted when it is p's argmax. A
-pruned head's logits are the full head's on the kept rows (checked at export: equal), so one drafter
-pass serves every fraction.
+Along the target's own greedy continuation of each prompt, at every position: p is the target's distribution
+(temperature 1), q the drafter's given the same text (synced as in decoding). A drafted token's acceptance
+probability is sum_t min(p(t), psi(t)) for the proposal psi (docs/algorithms.md, "The verification rules"):
+TLI's psi is q restricted to the kept tokens with a target twin; RDK's is that pushed through the kernel M.
+Under greedy decoding a drafted token is accepted when it is p's argmax. A pruned head's logits are the full
+head's on the kept rows (checked at export: equal), so one drafter pass serves every fraction.
 """
 
 from __future__ import annotations

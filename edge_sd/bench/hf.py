@@ -122,8 +122,8 @@ class HFPair:
             from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
             from transformers.utils import logging as hf_logging
         except ImportError as e:
-            raise UsageError(f"the transformers comparison needs torch and transformers "
-                             f"(pip install 'edge-sd[export]'), or pass --no-transformers ({e})") from None
+            raise UsageError(f"the transformers comparison needs torch and transformers (pip install "
+                             f"'.[export]' in a clone of edge-sd), or pass --no-transformers ({e})") from None
         if hf_dir is None or not all((hf_dir / n / "config.json").is_file() for n in HF_NAMES.values()):
             raise UsageError(
                 f"the transformers comparison needs the fp32 HF folders {', '.join(HF_NAMES.values())} in "

@@ -107,7 +107,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     except ImportError:
         from edge_sd.errors import UsageError
 
-        raise UsageError("the plots need matplotlib: pip install 'edge-sd[bench]'") from None
+        raise UsageError("the plots need matplotlib: pip install '.[bench]' in a clone of edge-sd") from None
     modes = [m for m in ("greedy", "sample", "chat") if any(r["mode"] == m for r in rows)]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):

@@ -42,12 +42,11 @@ class OrtSession:
         min_step_positions: int | None = None,
         defer: bool = False,
     ):
-        """spin: when ONNX Runtime's worker threads spin (busy-wait) for work. "always": also between
-        runs, ready for the next one; an engine alone gains from it (Gemma-3-270M: 55.5 against 60
-        ms/token). "run": inside a run only, between its many small kernels, stopping as it returns
-        (`session.force_spinning_stop`): for a target and a drafter that take turns, where one
-        session's threads spinning between runs steal the cores the other runs on. "never": not at all
-        (`benchmarks/spin.py` compares the three).
+        """spin: when ONNX Runtime's worker threads spin (busy-wait) for work. "always": also between runs,
+        ready for the next one; an engine alone gains from it. "run": inside a run only, between its many
+        small kernels, stopping as it returns (`session.force_spinning_stop`): for a target and a drafter that
+        take turns, where one session's threads spinning between runs steal the cores the other runs on.
+        "never": not at all (`benchmarks/spin.py` compares the three).
 
         min_step_positions: override the manifest's (1 for a drafter, whose forwards need not agree
         with each other).

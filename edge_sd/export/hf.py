@@ -36,6 +36,7 @@ CHAT_END_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 SUPPORTED_PRECISIONS = {"builder": ("fp32", "fp16", "int8", "int4", "gguf"),
                         "optimum": ("fp32", "int8", "int4", "gguf")}
 EXPORTERS = ("auto", "builder", "optimum")
+DEVICES = ("cpu", "cuda")
 
 Step = Callable[[str], Any]  # a progress callback: returns a context manager for one named step
 
@@ -54,6 +55,16 @@ class ExportOptions:
     # shared KV buffer per layer), optimum's generic export for the rest.
     exporter: str = "auto"
     device: str = "cpu"  # what the builder's graph is made for: cpu, or cuda (fp16 / int4)
+
+    def check(self, src: str) -> None:
+        """Refuse impossible values for `src` before anything is read or downloaded."""
+        resolve_precision(self.precision, src)
+        if self.exporter not in EXPORTERS:
+            raise UsageError(f"unknown exporter {self.exporter!r}; choose one of {', '.join(EXPORTERS)}")
+        if self.device not in DEVICES:
+            raise UsageError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.max_context is not None and self.max_context < 1:
+            raise UsageError(f"--max-context must be a positive number of positions, got {self.max_context}")
 
 
 def resolve_precision(precision: str, src: str) -> str:
@@ -128,15 +139,20 @@ def resolve_source(src: str, workdir: Path, step: Step) -> tuple[str, Any]:
     return src, tok
 
 
+def tokenizer_file(override: str) -> Path:
+    """The tokenizer.json that --tokenizer names (the file or its folder)."""
+    p = Path(override)
+    if p.is_dir():
+        p = p / TOKENIZER_FILE
+    if not p.is_file():
+        raise UsageError(f"tokenizer {override} not found (give a tokenizer.json or its folder)")
+    return p
+
+
 def _tokenizer_json(tok: Any, override: str | None, dest: Path) -> dict:
     """Write `tokenizer.json` into dest from --tokenizer or from the model's own fast tokenizer."""
     if override:
-        p = Path(override)
-        if p.is_dir():
-            p = p / TOKENIZER_FILE
-        if not p.is_file():
-            raise UsageError(f"tokenizer {override} not found (give a tokenizer.json or its folder)")
-        shutil.copyfile(p, dest / TOKENIZER_FILE)
+        shutil.copyfile(tokenizer_file(override), dest / TOKENIZER_FILE)
     elif tok is not None and getattr(tok, "is_fast", False):
         tok.backend_tokenizer.save(str(dest / TOKENIZER_FILE))
     else:

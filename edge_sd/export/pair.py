@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edge_sd.errors import UsageError
 from edge_sd.export.atomic import atomic_folder
-from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name
+from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name, tokenizer_file
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
 from edge_sd.paths import cache_dir
 from edge_sd.vocab import Vocab, build_maps, same_vocabulary
@@ -42,12 +42,7 @@ def export(
     RDK's kernel (`edge_sd.export.prune`).
     """
     summary: dict = {"out": str(out), "engines": {}}
-    if vocab_keep is not None and "cuda" in (opts.device, (drafter_opts or opts).device):
-        from edge_sd.engines.providers import available_providers
-
-        if "cuda" not in available_providers():  # say so now, not after minutes of exporting
-            raise UsageError("--drafter-vocab-keep runs both models to build RDK's kernel: with --device cuda "
-                             "it needs a machine with CUDA")
+    check(target, drafter, opts, drafter_opts, tokenizer, drafter_tokenizer, vocab_keep)
     with atomic_folder(out, force=force) as tmp:
         if drafter is None:
             m = export_engine(target, tmp, opts, tokenizer, step)
@@ -74,6 +69,27 @@ def export(
                 stats |= prune_pair(tmp, vocab_keep, corpus_texts(corpus, cache or cache_dir()))
         summary["pair"] = stats
     return summary
+
+
+def check(target: str, drafter: str | None, opts: ExportOptions, drafter_opts: ExportOptions | None = None,
+          tokenizer: str | None = None, drafter_tokenizer: str | None = None, vocab_keep: float | None = None) -> None:
+    """Refuse an export that cannot work before anything is read, downloaded or made."""
+    opts.check(target)
+    if drafter is not None:
+        (drafter_opts or opts).check(drafter)
+    for tok in (tokenizer, drafter_tokenizer):
+        if tok:
+            tokenizer_file(tok)
+    if vocab_keep is not None and drafter is None:
+        raise UsageError("--drafter-vocab-keep prunes a drafter: give one with --drafter")
+    if vocab_keep is not None and not 0 < vocab_keep <= 1:  # also refuses nan
+        raise UsageError(f"--drafter-vocab-keep is the fraction of the vocabulary kept, in (0, 1]; got {vocab_keep}")
+    if vocab_keep is not None and "cuda" in (opts.device, (drafter_opts or opts).device):
+        from edge_sd.engines.providers import available_providers
+
+        if "cuda" not in available_providers():  # say so now, not after minutes of exporting
+            raise UsageError("--drafter-vocab-keep runs both models to build RDK's kernel: with --device cuda "
+                             "it needs a machine with CUDA")
 
 
 def write_costs(folder: Path) -> None:

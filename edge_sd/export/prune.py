@@ -1,4 +1,4 @@
-"""Drafter vocabulary pruning and the RDK kernel (ALGORITHMS.md section 5), done on an exported pair.
+"""Drafter vocabulary pruning and the RDK kernel (docs/algorithms.md, "The proposers"), done on an exported pair.
 
 1. Rank the drafter's tokens: those with a target twin (the TLI intersection) first, each group by
    frequency on a corpus, then by id (BPE ids follow merge order, a frequency order of their own).
