@@ -58,9 +58,9 @@ def main() -> None:
     import numpy as np
 
     from edge_sd.bench import prompts as prompt_sets
-    from edge_sd.lookahead import StaticSchedule, StoppedSchedule
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.pipeline import GenerationConfig, Pipeline
+    from edge_sd.schedules import StaticSchedule, StoppedSchedule
 
     cache = cache_dir()
     plist = [p for s in ("code", "summarisation")

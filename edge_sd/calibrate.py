@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_sd import costs as costs_module
 from edge_sd.algorithms.base import DrafterState, Proposer
 from edge_sd.disco import RECENT_WEIGHT, DiscoModel, best_threshold, fit_logistic, token_features
 from edge_sd.errors import ContextLimitError, UsageError
-from edge_sd.lookahead import Plan, Round, StaticSchedule
-from edge_sd.manifest import write_aside
-from edge_sd.model import COSTS_FILE
 from edge_sd.pipeline import GenerationConfig, Pipeline
+from edge_sd.schedules import Plan, Round, StaticSchedule
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -77,7 +76,7 @@ def calibrate(pipe: Pipeline, folder: Path, prompts: list[str], algorithms: tupl
     # otherwise stay. Seeded generations plan from these instead of live timings (Model.fixed_costs).
     costs = pipe.measure_costs(k)
     target_cost = costs.target
-    write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
+    costs_module.save(folder, costs)
     step = statistics.median(draft_s)
     model.threshold = best_threshold(scored, target_cost, step, k)
     path = model.save(folder)

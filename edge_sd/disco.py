@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from edge_sd.errors import ArtifactError
+from edge_sd.layout import DISCO_FILE
 from edge_sd.manifest import write_aside
 
-DISCO_FILE = "disco.json"
 FEATURES = ("top_prob", "entropy", "position", "recent_acceptance", "slem", "tli", "slrs", "standard")
 ALGORITHMS = FEATURES[4:]
 # Recent acceptance follows each round's acceptance rate with this weight.

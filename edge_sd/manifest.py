@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_sd.errors import ArtifactError
+from edge_sd.layout import ENGINE_FILE, PAIR_FILE
 
-ENGINE_FILE = "engine.json"
-PAIR_FILE = "pair.json"
 # Bumped whenever a field changes meaning; readers refuse versions they do not know. Version 2 added
 # `kv_layout` and `min_step_positions`: a version-1 reader would drive a shared-buffer graph wrongly.
 FORMAT_VERSION = 2

@@ -10,20 +10,22 @@ generator, statistics).
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
+from edge_sd import costs as costs_module
 from edge_sd.algorithms.rdk import Kernel
+from edge_sd.chat import render_chat
 from edge_sd.config import GenerationConfig
+from edge_sd.costs import Costs
 from edge_sd.disco import DiscoModel
 from edge_sd.engines.ort import OrtEngine, OrtSession
-from edge_sd.engines.prepared import CACHE_DIR
 from edge_sd.errors import ArtifactError, UsageError
+from edge_sd.layout import CACHE_DIR
 from edge_sd.manifest import (
     EngineManifest,
     export_kind,
@@ -33,14 +35,6 @@ from edge_sd.manifest import (
 )
 from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
 
-# The cost model's calibration at load: target forwards over 1 and K+1 positions (linear in between)
-# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS. On a noisy
-# 2-core machine a median of 3 could store a drafter step well below what it runs at, and auto then
-# drafted with it where drafting lost; 9 runs cost well under a second more.
-CALIBRATION_CONTEXT = 64
-CALIBRATION_REPEATS = 9
-# Written by `edge-sd calibrate`: the costs measured there, which seeded generations plan with.
-COSTS_FILE = "costs.json"
 # Seconds a session being built gets to reach ONNX Runtime (which lets go of Python's lock) before a
 # tokenizer is read (which holds it): the few milliseconds of Python before it, with room to spare.
 SESSION_HEAD_START = 0.05
@@ -48,30 +42,6 @@ SESSION_HEAD_START = 0.05
 
 _M = TypeVar("_M", bound="Model")  # load() of a subclass (Pipeline) returns that subclass
 _READING = threading.Lock()  # Side: tokenizer reads, one at a time
-
-class Costs(NamedTuple):
-    """What the engines cost: seconds of a target forward over s positions (s -> s), of a one-position
-    drafter step, and of each position a drafter forward feeds beyond its first (catching up: the
-    prompt, or the tokens committed during plain steps)."""
-
-    target: dict[int, float]
-    step: float
-    position: float
-
-    def extended(self, k_max: int) -> Costs:
-        """Target costs for s = 1..k_max+1, linear beyond the largest measured."""
-        last = max(self.target)
-        slope = (self.target[last] - self.target[1]) / max(1, last - 1)
-        return self._replace(target={s: self.target.get(s, self.target[1] + slope * (s - 1))
-                                     for s in range(1, k_max + 2)})
-
-    def to_json(self) -> dict:
-        return {"target": {str(s): c for s, c in self.target.items()}, "step": self.step, "position": self.position}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Costs:
-        return cls({int(s): float(c) for s, c in data["target"].items()}, float(data["step"]), float(data["position"]))
-
 
 def _session(folder: Path, provider: str, threads: int | None, verify: bool, spin: str, drafter: bool,
              defer: bool = False) -> OrtSession:
@@ -148,25 +118,6 @@ class Side:
         if m.add_bos and m.bos_token_id is not None and (not ids or ids[0] != m.bos_token_id):
             return [m.bos_token_id] + ids
         return ids
-
-
-def render_chat(m: EngineManifest, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Apply the engine's chat template (jinja2, as Hugging Face's templates are written)."""
-    if not m.chat_template:
-        raise UsageError(f"{m.name} has no chat template; drop --chat")
-    try:
-        import jinja2
-    except ImportError:
-        raise UsageError("chat templates need jinja2: pip install '.[chat]' in a clone of edge-sd") from None
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(msg: str) -> None:
-        raise UsageError(f"chat template: {msg}")
-
-    env.globals["raise_exception"] = raise_exception
-    specials = {"bos_token": "", "eos_token": ""}
-    return env.from_string(m.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **specials)
 
 
 class Model:
@@ -319,52 +270,23 @@ class Model:
         return costs
 
     def _stored_costs(self) -> Costs | None:
-        path = self.folder / COSTS_FILE if self.folder is not None else None
-        if path is None or not path.is_file():
-            return None
-        try:
-            return Costs.from_json(json.loads(path.read_text(encoding="utf-8")))
-        except (ValueError, KeyError, TypeError):
-            self._notes.append(f"{path} unreadable: the engines' costs are measured at load instead")
-            return None
+        stored, why = costs_module.load(self.folder)
+        if why:
+            self._notes.append(why)
+        return stored
 
     def fixed_costs(self, k_max: int) -> Costs:
         """Costs that do not depend on this run's timings, for seeded generations: those `edge-sd
-        calibrate` measured and stored in the pair folder, else ones derived from the engines' sizes
-        (a CPU decodes at a rate set by the bytes it reads: a drafter step costs the target's forward
-        times the ratio of their weights)."""
+        calibrate` measured and stored in the pair folder, else ones derived from the engines' sizes."""
         stored = self._stored_costs()
         if stored is not None:
             return stored.extended(k_max)
-        target_bytes = sum(f.bytes for f in self.target.manifest.files)
-        # One step is the unit; a forward over s positions costs a little more a position (small
-        # models on a CPU are bound by reading their weights, which a longer forward shares).
-        target = {s: 1.0 + 0.01 * (s - 1) for s in range(1, k_max + 2)}
-        if self.drafter is None:
-            return Costs(target, 0.0, 0.0)
-        ratio = sum(f.bytes for f in self.drafter.manifest.files) / max(1, target_bytes)
-        return Costs(target, ratio, ratio / 10)
+        size = lambda side: sum(f.bytes for f in side.manifest.files)  # noqa: E731
+        return costs_module.by_size(size(self.target), None if self.drafter is None else size(self.drafter), k_max)
 
     def _measure(self, k_max: int) -> Costs:
-        t = self.target.session.engine()
-        span = min(k_max + 1, t.manifest.max_context - CALIBRATION_CONTEXT)
-        t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(t.manifest.vocab_size, 1000) + 3
-        # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
-        # (several times a step), and a size first met mid-generation would
-        # teach the cost model that drafting costs ten times what it does.
-        _median_forward(t, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
-        one, many = _median_forward(t, t_ids, CALIBRATION_CONTEXT, 1), _median_forward(t, t_ids,
-                                                                                      CALIBRATION_CONTEXT, span)
-        step = fill = 0.0  # no drafter (prompt lookup alone): no drafter forwards to pay
-        if self.drafter is not None:
-            d = self.drafter.session.engine()
-            d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(d.manifest.vocab_size, 1000) + 3
-            step = _median_forward(d, d_ids, CALIBRATION_CONTEXT, 1)
-            # A prompt's worth of positions at once (once untimed, once timed): from it alone auto
-            # judges whether a generation's first draft gains back the drafter's prompt, until one has.
-            fill = _median_forward(d, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
-        return Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
-                     step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
+        drafter = self.drafter.session.engine() if self.drafter is not None else None
+        return costs_module.measure(self.target.session.engine(), drafter, k_max)
 
     def borrow_schedule(self, key: tuple) -> Any | None:
         """A cost schedule an earlier generation left for this key (None: none free)."""
@@ -406,23 +328,3 @@ def _kept_ids(folder: Path, m: EngineManifest, size: int) -> np.ndarray | None:
     if kept.ndim != 1 or len(kept) != m.logits_width or (kept < 0).any() or (kept >= size).any():
         raise ArtifactError(f"{folder / m.kept_ids_file}: expected {m.logits_width} drafter ids below {size}")
     return kept
-
-
-def _median_forward(engine: OrtEngine, ids: np.ndarray, context: int, sizes: int | range,
-                    repeats: int = CALIBRATION_REPEATS) -> float:
-    """Median seconds of a forward over s positions after `context` cached ones (sizes: one s, or
-    several, each run `repeats` times), after one untimed forward of each."""
-    sizes = range(sizes, sizes + 1) if isinstance(sizes, int) else sizes
-    engine.reset()
-    engine.reserve(context + max(sizes, default=1))
-    engine.forward(ids[:context])
-    times = []
-    for s in sizes:
-        for i in range(repeats + 1):
-            engine.truncate(context)
-            before = engine.forward_time
-            engine.forward(ids[context : context + s])
-            if i:
-                times.append(engine.forward_time - before)
-    engine.reset()
-    return float(np.median(times)) if times else 0.0

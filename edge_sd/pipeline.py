@@ -11,11 +11,14 @@ from collections.abc import Callable, Iterator
 from collections.abc import Generator as PyGenerator
 
 from edge_sd.algorithms.base import Proposer
+from edge_sd.chat import render_chat
 from edge_sd.config import GenerationConfig, GenerationResult
-from edge_sd.generator import DEFAULT_LOOKAHEAD, DEFAULT_MAX_LOOKAHEAD, Generator
-from edge_sd.lookahead import Schedule
-from edge_sd.loop import Emitted
-from edge_sd.model import Costs, Model, render_chat
+from edge_sd.costs import Costs
+from edge_sd.decoder import Emitted
+from edge_sd.generator import Generator
+from edge_sd.model import Model
+from edge_sd.schedules import Schedule
+from edge_sd.schedules.choose import DEFAULT_LOOKAHEAD, DEFAULT_MAX_LOOKAHEAD
 
 __all__ = ["DEFAULT_LOOKAHEAD", "DEFAULT_MAX_LOOKAHEAD", "Costs", "GenerationConfig", "GenerationResult",
            "Pipeline", "render_chat"]

@@ -28,7 +28,7 @@ class Stats:
     wall_s: float = 0.0
     stop_reason: str = ""
     rounds_by_drafts: dict[int, int] = field(default_factory=dict)  # m -> rounds that drafted m (0: plain)
-    schedule: dict = field(default_factory=dict)  # what the lookahead schedule did (lookahead.py)
+    schedule: dict = field(default_factory=dict)  # what the lookahead schedule did (edge_sd/schedules)
 
     def count_round(self, proposed: int, accepted: int, target_s: float) -> None:
         self.target_forwards += 1

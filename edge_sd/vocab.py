@@ -19,6 +19,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edge_sd.errors import ArtifactError
+from edge_sd.layout import QUICK_FILE, QUICK_KEY, TABLES_FILE
 from edge_sd.manifest import write_aside
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -26,12 +27,9 @@ SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 # How many committed tokens of context a re-tokenization window keeps on its left, so that merges
 # across the window's left edge come out as they would in the full text.
 WINDOW_TOKENS = 6
-# Vocab's tables as a loaded engine keeps them (Tables), and their layout's version.
-TABLES_FILE = "vocab_tables.npz"
+# The layout's versions of Vocab's tables as a loaded engine keeps them (Tables, TABLES_FILE) and of
+# the tokenizer.json a loaded engine reads instead of its own (quick_source, QUICK_FILE and QUICK_KEY).
 TABLES_FORMAT = 1
-# The tokenizer.json a loaded engine reads instead of its own (quick_source), and what it was made from.
-QUICK_FILE = "tokenizer.json"
-QUICK_KEY = "tokenizer_key.json"
 QUICK_FORMAT = 1
 
 

@@ -47,7 +47,7 @@ def test_each_turn_prefills_only_what_is_new(tiny_root: Path, pair: str) -> None
         finish(fresh)
         assert fresh.result().token_ids == gen.result().token_ids, turn
         before = len(gen.ids)
-    assert [m["role"] for m in gen._messages] == ["user", "assistant"] * len(TURNS)
+    assert [m["role"] for m in gen.messages] == ["user", "assistant"] * len(TURNS)
 
 
 def test_chat_command_piped(tiny_root: Path) -> None:
@@ -156,20 +156,20 @@ def test_a_refused_turn_leaves_the_conversation_as_it_was(tiny_root: Path) -> No
     for g in (gen, clean):
         g.append_chat(TURNS[0])
         finish(g)
-    before = (list(gen.ids), list(gen._messages))
+    before = (list(gen.ids), list(gen.messages))
     too_long = " ".join(["cat"] * model.target.manifest.max_context)
     with pytest.raises(ContextLimitError):
         gen.append_chat(too_long)
     with pytest.raises(UsageError, match="not UTF-8"):
         gen.append_chat("bad \udcff bytes")
-    assert (gen.ids, gen._messages) == before
+    assert (gen.ids, gen.messages) == before
     for g in (gen, clean):
         g.append_chat(TURNS[1])
         finish(g)
-    assert gen.ids == clean.ids and gen._messages == clean._messages
+    assert gen.ids == clean.ids and gen.messages == clean.messages
     # negative control: had the refused turn stayed in the messages, the template would refuse the
     # next turn (roles must alternate) or render another conversation
-    assert clean._messages[-2]["content"] == TURNS[1]
+    assert clean.messages[-2]["content"] == TURNS[1]
 
 
 def test_chat_command_survives_bad_lines(tiny_root: Path) -> None:

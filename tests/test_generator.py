@@ -246,7 +246,7 @@ def test_a_drafters_build_is_not_timed_as_drafting(tiny_root: Path, monkeypatch)
     """The cost schedule learns a draft's cost from its time: the one-off build of a deferred drafter
     session happens before that clock starts, and outside the drafter's forward time."""
     from edge_sd.engines.ort import OrtSession
-    from edge_sd.lookahead import StaticSchedule
+    from edge_sd.schedules import StaticSchedule
 
     load = OrtSession._load
     monkeypatch.setattr(OrtSession, "_load", lambda self: (time.sleep(0.5), load(self))[1])

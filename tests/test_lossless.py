@@ -459,7 +459,7 @@ def test_auto_sampling_matches_plain_distribution(pipelines) -> None:
 def test_default_lookahead_of_named_algorithms(pipelines, monkeypatch) -> None:
     """A named algorithm drafts a fixed k by default (README, "Measured"); -k and the heuristic
     schedule change it."""
-    from edge_sd.lookahead import HeuristicSchedule
+    from edge_sd.schedules import HeuristicSchedule
 
     steps: list[tuple[int, int, int, int]] = []  # (k before, proposed, accepted, k after) per drafting round
     observe = HeuristicSchedule.observe

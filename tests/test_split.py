@@ -142,6 +142,6 @@ def test_the_checks_cover_the_longest_verification_forward() -> None:
     """Export validation and the load-time check compare forwards as long as auto's longest draft
     verifies (a prompt lookup's, and the position after it) with the steps."""
     from edge_sd.engines.consistency import SPLIT_SIZES
-    from edge_sd.generator import DEFAULT_MAX_LOOKAHEAD, DEFAULT_MAX_LOOKUP
+    from edge_sd.schedules.choose import DEFAULT_MAX_LOOKAHEAD, DEFAULT_MAX_LOOKUP
 
     assert max(SPLIT_SIZES) == max(DEFAULT_MAX_LOOKUP, DEFAULT_MAX_LOOKAHEAD) + 1

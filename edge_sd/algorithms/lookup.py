@@ -13,6 +13,8 @@ argmax. Drafting costs no model forward: a dictionary lookup per round.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from edge_sd.algorithms.base import Draft, StopRule
@@ -40,15 +42,16 @@ def verify_point(candidates: list[int], q: np.ndarray | None, p: Probs,
 
 
 class LookupProposer:
-    """Proposes the continuation of the longest recent n-gram match in `history` (the committed target
-    ids: the prompt, then the generated tokens; the decoder extends the list in place)."""
+    """Proposes the continuation of the longest recent n-gram match in `history`, its own copy of the
+    committed target ids (the prompt, then the generated tokens), brought up to date by `follow`:
+    the decoder hands it the committed ids after every round, `propose` those it is given."""
 
     name = "lookup"
     verifier = staticmethod(verify_point)
     drafter = None  # no model: nothing to catch up, nothing to sync
 
-    def __init__(self, history: list[int]):
-        self.history = history
+    def __init__(self, history: Sequence[int]):
+        self.history = list(history)
         # (n-gram) -> the position just after its latest occurrence, for every n-gram that has a
         # continuation (its last token is not the history's last).
         self._next: dict[tuple[int, ...], int] = {}
@@ -61,6 +64,19 @@ class LookupProposer:
                 if end - n >= 0:
                     self._next[tuple(h[end - n : end])] = end
         self._indexed = max(self._indexed, len(h))
+
+    def follow(self, committed: Sequence[int]) -> None:
+        """Take in the committed ids: those past the history's end where they continue it (a round's,
+        checked at the last one the history holds), else all of them anew (a sequence cut back)."""
+        h, n = self.history, len(self.history)
+        if len(committed) == n and (not n or committed[-1] == h[-1]):
+            return
+        if len(committed) > n and (not n or committed[n - 1] == h[-1]):
+            h += committed[n:]
+            return
+        self.history = list(committed)
+        self._next.clear()
+        self._indexed = 0
 
     def available(self, k: int) -> int:
         """How many candidates a draft of up to k would propose now (0: no match)."""
@@ -78,4 +94,5 @@ class LookupProposer:
 
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
         """The continuation whole: it was found at no cost, so no stop rule shortens it."""
+        self.follow(committed)
         return Draft(self._continuation(k), None)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_sd.costs import median_forward
 from edge_sd.engines.ort import OrtEngine
 
 
@@ -52,26 +53,21 @@ class EngineOptions:
 
 
 def time_forwards(engine: OrtEngine, context: int, k: int, repeats: int, seed: int = 0) -> dict:
-    """Medians (ms) of a 1-position forward, a (k+1)-position forward and the cut-back after it."""
-    vocab = engine.manifest.scored_ids
-    ids = np.random.default_rng(seed).integers(3, vocab, size=context + k + 1)
-    engine.reset()
+    """Medians (ms) of a 1-position forward and a (k+1)-position forward, timed as auto's costs are
+    (costs.median_forward), and of the cut-back after the longer one."""
+    ids = np.random.default_rng(seed).integers(3, engine.manifest.scored_ids, size=context + k + 1)
+    one = median_forward(engine, ids, context, 1, repeats)
+    many = median_forward(engine, ids, context, k + 1, repeats)
     engine.reserve(context + k + 1)
     engine.forward(ids[:context])
-    one, many, cut = [], [], []
+    cut = []
     for _ in range(repeats):
-        t = time.perf_counter()
-        engine.forward(ids[context : context + 1])
-        one.append(time.perf_counter() - t)
-        engine.truncate(context)
-        t = time.perf_counter()
         engine.forward(ids[context : context + k + 1])
-        many.append(time.perf_counter() - t)
         t = time.perf_counter()
         engine.truncate(context)
         cut.append(time.perf_counter() - t)
-    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    return {"ms_forward_1": ms(one), f"ms_forward_{k + 1}": ms(many), "ms_cut_back": ms(cut)}
+    engine.reset()
+    return {"ms_forward_1": 1e3 * one, f"ms_forward_{k + 1}": 1e3 * many, "ms_cut_back": 1e3 * statistics.median(cut)}
 
 
 def edge_decode(pipe, prompt: str, n: int) -> dict:

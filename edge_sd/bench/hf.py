@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from edge_sd.bench.run import Record
+from edge_sd.bench.record import Record
 from edge_sd.errors import UsageError
 
 HF_NAMES = {"target": "gemma3-270m", "drafter": "smollm2-135m"}

@@ -12,13 +12,14 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_sd.bench import prompts as prompt_sets
+from edge_sd.bench.record import Record
 from edge_sd.errors import UsageError
 from edge_sd.export.prune import pruned_copy
 from edge_sd.pipeline import GenerationConfig, Pipeline
@@ -114,28 +115,6 @@ class Config:
     def pruned(self) -> bool:
         """Whether it runs on a pruned copy of the pair (RDK needs one for its kernel, even at 1)."""
         return self.keep < 1.0 or self.algorithm == "rdk"
-
-
-@dataclass
-class Record:
-    """One configuration on one prompt."""
-
-    engine: str
-    mode: str
-    algorithm: str
-    k: int
-    prompt: str
-    new_tokens: int
-    wall_s: float
-    prefill_s: float
-    target_s: float
-    drafter_s: float
-    target_forwards: int
-    proposed: int
-    accepted: int
-    token_ids: list[int] = field(default_factory=list)
-    schedule: str = "static"
-    keep: float = 1.0
 
 
 def configs(opts: BenchOptions, disco_k: int = 0) -> list[Config]:

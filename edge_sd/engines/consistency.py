@@ -13,6 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
+# A forward that crosses a multiple of this many positions is run as plain decoding's two-position
+# steps meet it: split there, its second part starting at the position before the multiple, which a
+# forward starting at the multiple feeds again. With ONNX Runtime 1.32, on an AVX-512 VNNI Xeon and on
+# an AMD EPYC with AVX-512, a forward holding positions on both sides of 64 (or 192) computed them
+# otherwise than the steps do, its first row included, enough to change a greedy output; run so, every
+# row agrees (docs/artifact-format.md; export validation checks it: across_split below). It costs one
+# extra forward at most every SPLIT_AT positions.
+SPLIT_AT = 64
+
 # Relative to the logits' scale: the most two forwards of the same positions may differ.
 CACHE_RTOL = 1e-4
 # Beyond this, forwards that disagree are broken, not rounded (int4 on CUDA: 3e-3 between one and two
@@ -23,7 +32,7 @@ STEPS = 4
 N_PROMPTS = 3
 SPLIT_IDS = 80  # ids for across_split: past the first split (64) and the forwards that end beyond it
 # The forwards across_split compares with the steps: short drafts, and the longest verification auto
-# runs (a prompt lookup draft of generator.DEFAULT_MAX_LOOKUP tokens and the position after it).
+# runs (a prompt lookup draft of schedules.choose.DEFAULT_MAX_LOOKUP tokens and the position after it).
 SPLIT_SIZES = (3, 5, 17)
 
 
@@ -62,15 +71,13 @@ def measure(engine, ids: np.ndarray, full: np.ndarray, worst: dict[str, float]) 
 
 def across_split(engine, ids: np.ndarray, ends: range | None = None, sizes: tuple[int, ...] = SPLIT_SIZES) -> float:
     """Forwards of `sizes` positions ending at each T of `ends` (default: on either side of the
-    engine's first split, SPLIT_AT in engines/ort.py) against the two-position steps of plain
+    engine's first split, SPLIT_AT) against the two-position steps of plain
     decoding, every row of each: the most they differ, relative to the logits' scale. A verification
     reads every row of its forward, the first (the last committed token's) included, so a forward
     that starts just below a split and computes its first row otherwise than the step that wrote it
     changes an output. ids: at least max(ends) of them. An engine not stepping two positions yet is
     set to (with its head over both), unless its attention reads the previous position from the cache
     (manifest `previous_row_attention`), whose steps are of one position; it is left empty."""
-    from edge_sd.engines.ort import SPLIT_AT
-
     if engine.min_step < 2 and not engine.manifest.previous_row_attention:
         engine.min_step = engine.head_rows = 2
     ends = ends or range(SPLIT_AT - 4, SPLIT_AT + 8)

@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_sd.engines import host_memory, prepared
-from edge_sd.engines.consistency import BROKEN_RTOL
+from edge_sd.engines.consistency import BROKEN_RTOL, SPLIT_AT
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.kv import ConcatKV, SharedKV
 from edge_sd.engines.providers import PROVIDERS, UNVERIFIED, resolve_providers, tensorrt_options
@@ -217,16 +217,8 @@ class OrtSession:
         return OrtEngine(self, capacity=capacity, release_window=release_window)
 
 
-# A forward that crosses a multiple of this many positions is run as plain decoding's two-position
-# steps meet it: split there, its second part starting at the position before the multiple, which a
-# forward starting at the multiple feeds again. With ONNX Runtime 1.32, on an AVX-512 VNNI Xeon and on
-# an AMD EPYC with AVX-512, a forward holding positions on both sides of 64 (or 192) computed them
-# otherwise than the steps do, its first row included, enough to change a greedy output; run so, every
-# row agrees (docs/artifact-format.md; export validation checks it: engines/consistency.py,
-# across_split). It costs one extra forward at most every SPLIT_AT positions.
-SPLIT_AT = 64
 # Logit rows a scratch buffer holds (forward(scratch=True)): the longest verification forward, a
-# prompt lookup draft of 16 and the token before it (generator.DEFAULT_MAX_LOOKUP).
+# prompt lookup draft of 16 and the token before it (schedules.choose.DEFAULT_MAX_LOOKUP).
 SCRATCH_ROWS = 17
 
 

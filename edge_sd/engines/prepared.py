@@ -32,14 +32,10 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from edge_sd.layout import CACHE_DIR, DATA, KEY_FILE, MODEL, ORT_DIR
 from edge_sd.manifest import EngineManifest
 from edge_sd.scratch import scratch_folder
 
-CACHE_DIR = "runtime_cache"
-ORT_DIR = "ort"
-KEY_FILE = "key.json"
-MODEL = "model.onnx"
-DATA = "model.onnx.data"
 FORMAT = 2  # 2: key.json holds the files' checksums
 # Engines smaller than this build their sessions in a fraction of a second and hold little twice:
 # saving them would cost a launch more than it saves.

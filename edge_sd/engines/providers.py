@@ -8,6 +8,7 @@ from typing import Any
 import onnxruntime as ort
 
 from edge_sd.errors import ProviderError
+from edge_sd.layout import TRT_CACHE_DIR
 from edge_sd.manifest import EngineManifest
 
 PROVIDERS = {
@@ -21,9 +22,6 @@ PROVIDERS = {
 # warning (engines/ort.py).
 AUTO_ORDER = ("cuda", "cpu")
 UNVERIFIED = ("tensorrt",)
-# TensorRT builds an engine per shape profile; it is kept beside the model so that only the first
-# load on a device pays for the build (minutes on a Jetson).
-TRT_CACHE_DIR = "trt_cache"
 
 
 def available_providers() -> list[str]:

@@ -19,6 +19,7 @@ from edge_sd import __version__
 from edge_sd.engines.providers import available_providers
 from edge_sd.errors import ExportError, UsageError
 from edge_sd.export.logits import add_logits_to_keep, float32_logits, split_lm_head
+from edge_sd.layout import TOKENIZER_FILE
 from edge_sd.manifest import (
     FORMAT_VERSION,
     PRECISIONS,
@@ -28,7 +29,6 @@ from edge_sd.manifest import (
 )
 from edge_sd.scratch import scratch_folder
 
-TOKENIZER_FILE = "tokenizer.json"
 TASK = "text-generation-with-past"
 # End-of-turn markers of common chat formats: generation stops at them as at EOS when they exist.
 CHAT_END_MARKERS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")

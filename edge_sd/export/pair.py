@@ -8,11 +8,10 @@ from pathlib import Path
 from edge_sd.errors import UsageError
 from edge_sd.export.atomic import atomic_folder
 from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name, tokenizer_file
+from edge_sd.layout import DRAFTER_DIR, MAPS_FILE, TARGET_DIR
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
 from edge_sd.paths import cache_dir
 from edge_sd.vocab import Vocab, build_maps, same_vocabulary
-
-MAPS_FILE = "maps.npz"
 
 
 def default_out(target: str, drafter: str | None) -> Path:
@@ -54,9 +53,10 @@ def export(
             ("drafter", drafter, drafter_tokenizer, replace(drafter_opts or opts, drafter=True)),
         )
         for role, src, tok, role_opts in sides:
-            (tmp / role).mkdir()
-            engines[role] = export_engine(src, tmp / role, role_opts, tok, step, name=source_name(src))
-            summary["engines"][role] = _engine_summary(engines[role], tmp / role)
+            where = tmp / (TARGET_DIR if role == "target" else DRAFTER_DIR)
+            where.mkdir()
+            engines[role] = export_engine(src, where, role_opts, tok, step, name=source_name(src))
+            summary["engines"][role] = _engine_summary(engines[role], where)
         with step("vocabulary maps (TLI intersection, SLRS prefix map)"):
             stats = write_pair(tmp, engines["target"], engines["drafter"], name=Path(out).name)
         if opts.device == "cpu":
@@ -96,20 +96,18 @@ def write_costs(folder: Path) -> None:
     """Measure the pair's engines (a target forward over 1..k+1 positions, a drafter step, a drafter
     position caught up) and store them in costs.json: sampled generations with a seed plan from these
     instead of live timings (Model.fixed_costs); `edge-sd calibrate` measures them again."""
-    import json
+    from edge_sd import costs
+    from edge_sd.model import Model
+    from edge_sd.schedules.choose import DEFAULT_MAX_LOOKAHEAD
 
-    from edge_sd.generator import DEFAULT_MAX_LOOKAHEAD
-    from edge_sd.manifest import write_aside
-    from edge_sd.model import COSTS_FILE, Model
-
-    costs = Model.load(folder, provider="cpu").measure_costs(DEFAULT_MAX_LOOKAHEAD)  # not a stored file's
-    write_aside(folder / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
+    costs.save(folder, Model.load(folder, provider="cpu").measure_costs(DEFAULT_MAX_LOOKAHEAD))
 
 
 def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest, name: str | None = None) -> dict:
-    """Write maps.npz and pair.json into a folder that holds target/ and drafter/ engine folders."""
-    tv = Vocab.from_file(folder / "target" / target.tokenizer_file, target.eos_token_ids)
-    dv = Vocab.from_file(folder / "drafter" / drafter.tokenizer_file, drafter.eos_token_ids)
+    """Write the maps and the pair manifest into a folder that holds the target and drafter engine
+    folders."""
+    tv = Vocab.from_file(folder / TARGET_DIR / target.tokenizer_file, target.eos_token_ids)
+    dv = Vocab.from_file(folder / DRAFTER_DIR / drafter.tokenizer_file, drafter.eos_token_ids)
     maps = build_maps(dv, tv)
     maps.save(folder / MAPS_FILE)
     stats = {
@@ -121,12 +119,12 @@ def write_pair(folder: Path, target: EngineManifest, drafter: EngineManifest, na
     pm = PairManifest(
         format_version=FORMAT_VERSION,
         name=name or folder.name,  # the folder's final name, not that of the one it is built in
-        target="target",
-        drafter="drafter",
+        target=TARGET_DIR,
+        drafter=DRAFTER_DIR,
         same_vocabulary=same_vocabulary(tv, dv),
         maps_file=MAPS_FILE,
-        target_tokenizer_sha256=sha256_file(folder / "target" / target.tokenizer_file),
-        drafter_tokenizer_sha256=sha256_file(folder / "drafter" / drafter.tokenizer_file),
+        target_tokenizer_sha256=sha256_file(folder / TARGET_DIR / target.tokenizer_file),
+        drafter_tokenizer_sha256=sha256_file(folder / DRAFTER_DIR / drafter.tokenizer_file),
         stats=stats,
     )
     save(pm, folder)

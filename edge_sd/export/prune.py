@@ -19,18 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from edge_sd.engines.prepared import CACHE_DIR
-from edge_sd.engines.providers import TRT_CACHE_DIR
 from edge_sd.errors import ExportError, UsageError
 from edge_sd.export.logits import drop_shapes, lm_head
 from edge_sd.export.logits import load as load_model
 from edge_sd.export.logits import save as save_model
+from edge_sd.layout import CACHE_DIR, ENGINE_FILE, KEPT_FILE, KERNEL_FILE, MAPS_FILE, PAIR_FILE, TRT_CACHE_DIR
 from edge_sd.manifest import EngineManifest, file_entries, load_engine_manifest, load_pair_manifest, save
 from edge_sd.vocab import Vocab, VocabMaps
 from edge_sd.wheel_data import Source, fetch, single
 
-KEPT_FILE = "kept_ids.npy"
-KERNEL_FILE = "rdk.npz"
 # The default corpus, one domain each (a token's frequency is its share within each domain, summed, so
 # that 1.5 MB of code does not drown 0.36 MB of prose): 300 ABC news articles of the Lee background
 # corpus (none of them among the 50 the benchmark summarises) and the Python sources of gensim itself.
@@ -377,7 +374,7 @@ def prune_pair(folder: Path, fraction: float, texts: list[str], samples: Samples
     if dm.kept_ids_file:
         raise UsageError(f"{folder / pm.drafter} is pruned already")
     dv = Vocab.from_file(folder / pm.drafter / dm.tokenizer_file, dm.eos_token_ids)
-    maps = VocabMaps.load(folder / (pm.maps_file or "maps.npz"))
+    maps = VocabMaps.load(folder / (pm.maps_file or MAPS_FILE))
     d_freq = frequencies(dv, texts)
     kept = choose_kept(maps, dv, d_freq, fraction, dm.scored_ids)
     if samples is None:
@@ -423,7 +420,7 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     pair = Path(pair)
     pm = load_pair_manifest(pair)
     dest = Path(cache) / "pairs" / f"{pair.name}_keep{round(fraction * 100)}"
-    src_sums = hashlib.sha256(b"".join(f.read_bytes() for f in (pair / "pair.json", pair / pm.drafter / "engine.json")))
+    src_sums = hashlib.sha256(b"".join(f.read_bytes() for f in (pair / PAIR_FILE, pair / pm.drafter / ENGINE_FILE)))
     corpus = ",".join(s.sha256[:12] for s in DEFAULT_CORPUS)
     recipe = (f"source={src_sums.hexdigest()} keep={fraction} corpus={corpus} kernel=target-moment-{SAMPLE_CHUNKS}-"
               f"{SAMPLE_TOP}-{ROW_TOP}-{PRIOR_MASS}-{SCALES}\n")
@@ -432,7 +429,7 @@ def pruned_copy(pair: Path, fraction: float, cache: Path) -> Path:
     texts = corpus_texts(None, cache)
     key = (str(pair.resolve()), src_sums.hexdigest())
     if key not in _SAMPLES:  # one measurement serves every fraction of one pair
-        maps = VocabMaps.load(pair / (pm.maps_file or "maps.npz"))
+        maps = VocabMaps.load(pair / (pm.maps_file or MAPS_FILE))
         _SAMPLES[key] = calibration_samples(_side(pair / pm.target), _side(pair / pm.drafter), maps, texts)
     with atomic_folder(dest, force=True) as tmp:
         for f in pair.rglob("*"):

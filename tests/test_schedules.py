@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from edge_sd.cost_model import CostModel
-from edge_sd.lookahead import (
+from edge_sd.costs import CostModel
+from edge_sd.sampling import SamplingConfig
+from edge_sd.schedules import (
     CARRY,
     PROBE_EVERY,
     PROBE_EVERY_GENERATIONS,
@@ -15,7 +16,6 @@ from edge_sd.lookahead import (
     HeuristicSchedule,
     Round,
 )
-from edge_sd.sampling import SamplingConfig
 
 K = 6
 TARGET = {s: 0.030 + 0.002 * (s - 1) for s in range(1, K + 2)}  # 30 ms, +2 ms per extra position
@@ -85,7 +85,7 @@ def test_cheap_accurate_drafts_go_long_with_the_better_algorithm() -> None:
 def test_an_algorithm_unlucky_at_first_is_tried_again() -> None:
     """The better algorithm's two first drafts rejected outright, the other's accepted: optimism
     about an algorithm seldom tried brings the first back, and it ends up drafting most rounds."""
-    from edge_sd.lookahead import Plan
+    from edge_sd.schedules import Plan
 
     sched = schedule(0.003)
     for algo, accepted in (("slem", 0), ("tli", 3)) * 2:
@@ -129,7 +129,7 @@ def test_disco_on_the_cost_model_stops_drafts_that_may_run_to_the_longest() -> N
     token, and a round where drafting does not pay stays a plain step."""
     import numpy as np
 
-    from edge_sd.lookahead import DiscoSchedule
+    from edge_sd.schedules import DiscoSchedule
 
     sched = schedule(0.006)
     run(sched, {"slem": 0.8, "tli": 0.5})
@@ -222,7 +222,7 @@ def test_the_rest_of_a_round_is_charged_by_its_size() -> None:
 
 
 def test_a_poor_starting_guess_is_outweighed_at_once() -> None:
-    from edge_sd.cost_model import Estimate
+    from edge_sd.costs import Estimate
 
     e = Estimate(0.001)  # the calibrated guess counts as one measurement
     for _ in range(3):
@@ -292,7 +292,7 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     pipe = Pipeline.from_folder(folder, provider="cpu", threads=2)
     assert pipe.disco is not None
     # The costs it measured are stored: seeded generations plan with them (Model.fixed_costs).
-    from edge_sd.model import Costs
+    from edge_sd.costs import Costs
 
     stored = json.loads((folder / "costs.json").read_text())
     assert pipe.fixed_costs(6) == Costs.from_json(stored).extended(6) and 0 < stored["step"] < 1
@@ -362,7 +362,7 @@ def test_a_chain_extends_a_short_lookup_continuation_where_drafting_pays() -> No
     import copy
 
     from edge_sd.algorithms import ChainProposer, LookupProposer
-    from edge_sd.lookahead import Plan
+    from edge_sd.schedules import Plan
 
     history = [1, 2, 1, 2]
     for draft_s, chained in ((0.003, True), (0.045, False)):
@@ -411,7 +411,7 @@ def test_a_lookup_continuation_runs_past_the_drafters_longest_draft() -> None:
     draft of the drafter, which stays capped at K; without lookup_max, and within a short budget, the
     round stops at K and at the budget."""
     from edge_sd.algorithms import LookupProposer
-    from edge_sd.lookahead import Plan
+    from edge_sd.schedules import Plan
 
     longest = 16
     target = {s: 0.030 + 0.002 * (s - 1) for s in range(1, longest + 2)}
@@ -443,7 +443,7 @@ def test_starting_costs_from_a_busy_machine_move_with_the_measured_steps() -> No
     repeating itself is drafted by prompt lookup; at the stored costs as they were, no draft would
     ever look as fast as a step, run, and show otherwise. A size measured keeps its own estimate."""
     from edge_sd.algorithms import LookupProposer
-    from edge_sd.lookahead import Plan
+    from edge_sd.schedules import Plan
 
     stored = {s: 0.036 + 0.0095 * (s - 1) for s in range(1, K + 2)}
     model = CostModel(stored, {"lookup": 0.0, "slem": 0.024}, 0.005)
@@ -463,10 +463,10 @@ def test_starting_costs_from_a_busy_machine_move_with_the_measured_steps() -> No
 def test_auto_starts_prompt_lookup_at_no_drafting_cost() -> None:
     """A lookup draft runs no model: its cost a token starts at nothing, the drafter's at its step."""
     from edge_sd.algorithms import LookupProposer
-    from edge_sd.generator import _new_cost_schedule
-    from edge_sd.model import Costs
+    from edge_sd.costs import Costs
+    from edge_sd.schedules.choose import new_cost_schedule
 
     slem = SimpleNamespace(name="slem", drafter=SimpleNamespace(behind=0, lagging=False))
     costs = Costs({s: 0.02 + 0.001 * s for s in range(1, 18)}, 0.012, 0.002)
-    sched = _new_cost_schedule({"slem": slem, "lookup": LookupProposer([1, 2, 3])}, K, 16, costs, True, True)
+    sched = new_cost_schedule({"slem": slem, "lookup": LookupProposer([1, 2, 3])}, K, 16, costs, True, True)
     assert sched.costs.draft("lookup") == 0.0 and sched.costs.draft("slem") == 0.012

@@ -1,36 +1,16 @@
-"""How many tokens to draft, and with which algorithm (docs/algorithms.md,
-"Choosing per round: `auto`").
-
-A schedule plans each round from the past only (never from this round's draws), which is why every
-schedule is lossless: it changes the speed, never the output. `plan` returns the proposer and the
-number of tokens m to draft (0: a plain step); `observe` takes what the round cost and accepted.
-
-- static: a fixed k;
-- heuristic: k += 2 after a round where every candidate was accepted, else k -= 1 (at least 1);
-- cost: the cost-aware choice: the m (and algorithm) that maximises expected tokens per
-  second, from the engines' measured costs and the acceptance seen so far; m = 0 when no draft pays,
-  nor when what the rest of the generation would gain does not cover the drafter's catching up (its
-  prompt, first of all), with a short probe every few plain steps so that a text where drafts start to
-  pay is noticed (one that must pay such catching up only after a few generations without a draft);
-  the algorithm is chosen on optimistic acceptance, so that one seldom tried is tried again (and in
-  greedy decoding the length too, so that depths seldom verified are tried);
-- confidence: a static k, cut after a token the drafter was unsure of (top probability < 0.5); on top
-  of the cost model, auto's greedy drafts on a pair with no DISCO calibrated for greedy decoding;
-- disco: DISCO's classifier stops a draft early, on top of a static k or of the cost model (whose
-  drafts may then run to its longest: the cost model starts them, DISCO ends them).
-"""
+"""The cost schedule (`auto`): each round, the draft length and algorithm that maximise expected tokens
+per second, from the engines' costs (costs.CostModel) and the acceptance seen so far."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_sd.algorithms.base import Proposer, StopRule
+from edge_sd.algorithms.base import Proposer
 from edge_sd.algorithms.chain import ChainProposer
-from edge_sd.cost_model import CostModel
-from edge_sd.disco import RECENT_WEIGHT, DiscoModel, token_features
+from edge_sd.costs import CostModel
+from edge_sd.schedules.base import Plan, Round, estimated
 
 # Acceptance estimates start from 0.5 with the weight of PRIOR rounds each side, and forget the past at
 # this rate per round, so that they follow the text (code is predictable, a summary's first words less so).
@@ -52,114 +32,11 @@ PROBE_EVERY_GENERATIONS = 4
 # errors, so that one seldom tried (or tried long ago: decay shrinks its counts) is tried again, and
 # one unlucky early draft does not rule an algorithm out for the rest of the text.
 OPTIMISM = 1.0
-# The confidence cut stops a draft after a token whose drafter top probability was below this.
-CONFIDENCE = 0.5
 # A new generation is a new text: the acceptance counts of the ones before it are kept as a prior worth
 # at most this many rounds (of the first position), so that a text unlike the last is soon judged on
 # its own rounds rather than on the last text's.
 CARRY = 4.0
 
-
-@dataclass
-class Plan:
-    """A round's proposer and draft length (0 or no proposer: a plain step), the rule that may end a
-    drafter's draft sooner (None: it runs to m), and for a chain (lookup+X) how many of its m
-    candidates the lookup proposes."""
-
-    proposer: Proposer | None
-    m: int
-    stop: StopRule | None = None
-    lookup: int = 0
-
-
-@dataclass
-class Round:
-    """What a round proposed and accepted, and what it cost: its target forward, its drafting (of which
-    `catch_up_s` went to catching the drafter up on `caught_up` positions: the draft's own figures),
-    and the rest of it (verification, the text, syncing the drafter). accepted_bytes: the bytes the
-    accepted candidates spell."""
-
-    proposed: int
-    accepted: int
-    target_s: float
-    draft_s: float = 0.0
-    other_s: float = 0.0
-    accepted_bytes: int = 0
-    catch_up_s: float = 0.0
-    caught_up: int = 0
-
-
-def estimated(proposers: dict[str, Proposer]) -> list[str]:
-    """The algorithms whose acceptance and drafting cost a cost schedule follows: every proposer's,
-    a chain's two parts instead of its own (what it proposes is theirs)."""
-    names: list[str] = []
-    for name, p in proposers.items():
-        parts = [p.lookup.name, p.inner.name] if isinstance(p, ChainProposer) else [name]
-        names += [a for a in parts if a not in names]
-    return names
-
-
-class Schedule(Protocol):
-    name: str
-
-    def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        """This round's proposer and draft length, at most `budget` (0 when nothing may be drafted).
-        open_ended: a stop rule ends each draft (DISCO, the confidence cut), so a schedule that chooses
-        the length may let a draft that pays run to its longest."""
-        ...
-
-    def observe(self, plan: Plan, r: Round) -> None:
-        """What the planned round proposed, accepted and cost."""
-        ...
-
-    def summary(self) -> dict:
-        """What the schedule did, for the statistics."""
-        ...
-
-
-class StaticSchedule:
-    name = "static"
-
-    def __init__(self, proposer: Proposer | None, k: int):
-        self.proposer, self.k = proposer, k
-
-    def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        return Plan(self.proposer, min(self.k, budget) if self.proposer else 0)
-
-    def observe(self, plan: Plan, r: Round) -> None:
-        pass
-
-    def summary(self) -> dict:
-        return {}
-
-
-class ConfidenceCut:
-    """A stop rule: a draft ends after a token drawn where the drafter's top probability (at
-    temperature 1) was below the threshold."""
-
-    def __init__(self, threshold: float = CONFIDENCE):
-        self.threshold = threshold
-        self.stopped = 0
-
-    def __call__(self, logits: np.ndarray, position: int) -> bool:
-        keep = bool(token_features(logits, position, 0.0, "")[0] >= self.threshold)
-        self.stopped += not keep
-        return keep
-
-    def summary(self) -> dict:
-        return {"confidence": {"threshold": self.threshold, "stopped_early": self.stopped}}
-
-
-class HeuristicSchedule(StaticSchedule):
-    name = "heuristic"
-
-    def __init__(self, proposer: Proposer | None, k: int, k_max: int):
-        super().__init__(proposer, max(1, k))
-        self.k_max = k_max
-
-    def observe(self, plan: Plan, r: Round) -> None:
-        if r.proposed:
-            self.k = min(self.k_max, self.k + 2) if r.accepted == r.proposed else max(1, self.k - 1)
 
 
 @dataclass
@@ -234,7 +111,7 @@ def tokens_by_length(rates: list[float]) -> list[float]:
 class CostSchedule:
     """Choose m in 0..K and the algorithm maximising expected tokens per second.
 
-    The costs come from a CostModel (cost_model.py): a target forward over s positions (calibrated at
+    The costs come from a CostModel (costs.py): a target forward over s positions (calibrated at
     load, then followed online), the drafting cost per drafted token per algorithm as the rounds run
     (the proposer's whole time: drafter forwards, catching up after a sync, its numpy work).
 
@@ -430,75 +307,3 @@ class CostSchedule:
             "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
                            for a, acc in self.acceptance.items()},
         }
-
-
-class StoppedSchedule:
-    """A stop rule on top of another schedule: the inner one decides whether to draft, with which
-    algorithm and how far at most (a static k; on the cost model, its longest draft); the rule, which
-    its plans carry, ends the draft."""
-
-    name = "stopped"
-
-    def __init__(self, inner: Schedule, stop: StopRule):
-        self.inner = inner
-        self.stop = stop
-
-    def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        # On the cost model, the cost model decides whether a draft starts, the stop rule when it ends:
-        # DISCO's threshold was fitted on tokens per second at calibration, and overriding it with the
-        # cost model's marginal test (or capping drafts at the cost model's length) ran slower side by
-        # side on held-out prompts.
-        return replace(self.inner.plan(budget, open_ended=True), stop=self.stop)
-
-    def observe(self, plan: Plan, r: Round) -> None:
-        self.inner.observe(plan, r)
-
-    def summary(self) -> dict:
-        return self.inner.summary()
-
-
-class DiscoSchedule(StoppedSchedule):
-    """DISCO on top of another schedule: the classifier stops a draft after any drafted token whose
-    predicted acceptance falls below the calibrated threshold."""
-
-    name = "disco"
-
-    def __init__(self, inner: Schedule, model: DiscoModel, names: dict[int, str]):
-        super().__init__(inner, self._keep_drafting)
-        self.model, self.names = model, names
-        self.recent = 0.5
-        self.algo = ""
-        self.stopped = 0
-
-    def _keep_drafting(self, logits: np.ndarray, position: int) -> bool:
-        keep = self.model.prob(token_features(logits, position, self.recent, self.algo)) >= self.model.threshold
-        self.stopped += not keep
-        return keep
-
-    def plan(self, budget: int, open_ended: bool = False) -> Plan:
-        plan = super().plan(budget)
-        self.algo = self.names.get(id(plan.proposer), "")
-        return plan
-
-    def observe(self, plan: Plan, r: Round) -> None:
-        if r.proposed:
-            self.recent += RECENT_WEIGHT * (r.accepted / r.proposed - self.recent)
-        super().observe(plan, r)
-
-    def summary(self) -> dict:
-        return {**self.inner.summary(), "disco": {"threshold": self.model.threshold, "stopped_early": self.stopped}}
-
-
-class ConfidenceSchedule(StoppedSchedule):
-    """The confidence cut on top of another schedule: on a static k (`-s confidence`), or on the cost
-    model, auto's greedy schedule on a pair with no DISCO classifier calibrated for greedy decoding
-    (it ran faster side by side than drafts ended by the cost model's own marginal test)."""
-
-    name = "confidence"
-
-    def __init__(self, inner: Schedule, threshold: float = CONFIDENCE):
-        self.cut = ConfidenceCut(threshold)
-        super().__init__(inner, self.cut)
-
-    def summary(self) -> dict:
-        return {**self.inner.summary(), **self.cut.summary()}

@@ -1,5 +1,7 @@
-"""What a round costs, in seconds: the estimates auto's cost schedule plans with (lookahead.py), each
-starting from the engines' measured costs and following the rounds' own timings.
+"""What the engines and a round cost, in seconds: measured (`measure`), stored in a pair folder
+(`save`, `load`: written at export and by `edge-sd calibrate`), and the estimates auto's cost schedule
+plans with (`CostModel`: schedules/cost.py), each starting from the engines' costs and following the rounds'
+own timings.
 
 A round that drafts m tokens with an algorithm costs a target forward over m + 1 positions, m drafted
 tokens at that algorithm's cost per token, and the rest of the round (verification, the text, syncing
@@ -9,9 +11,119 @@ during plain steps) pays each such position once more.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from edge_sd.engines.ort import OrtEngine
+from edge_sd.layout import COSTS_FILE
+from edge_sd.manifest import write_aside
+
+# The engines' costs measured at load: target forwards over 1 and K+1 positions (linear in between)
+# and drafter steps, after this many cached positions, median of CALIBRATION_REPEATS. On a noisy
+# 2-core machine a median of 3 could store a drafter step well below what it runs at, and auto then
+# drafted with it where drafting lost; 9 runs cost well under a second more.
+CALIBRATION_CONTEXT = 64
+CALIBRATION_REPEATS = 9
 # Estimates follow new measurements with this weight (exponential moving average), after a plain mean
 # over their first 1 / COST_WEIGHT measurements.
 COST_WEIGHT = 0.1
+
+
+class Costs(NamedTuple):
+    """What the engines cost: seconds of a target forward over s positions (s -> s), of a one-position
+    drafter step, and of each position a drafter forward feeds beyond its first (catching up: the
+    prompt, or the tokens committed during plain steps)."""
+
+    target: dict[int, float]
+    step: float
+    position: float
+
+    def extended(self, k_max: int) -> Costs:
+        """Target costs for s = 1..k_max+1, linear beyond the largest measured."""
+        last = max(self.target)
+        slope = (self.target[last] - self.target[1]) / max(1, last - 1)
+        return self._replace(target={s: self.target.get(s, self.target[1] + slope * (s - 1))
+                                     for s in range(1, k_max + 2)})
+
+    def to_json(self) -> dict:
+        return {"target": {str(s): c for s, c in self.target.items()}, "step": self.step, "position": self.position}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Costs:
+        return cls({int(s): float(c) for s, c in data["target"].items()}, float(data["step"]), float(data["position"]))
+
+
+def save(folder: Path, costs: Costs) -> Path:
+    return write_aside(Path(folder) / COSTS_FILE, json.dumps(costs.to_json(), indent=1) + "\n")
+
+
+def load(folder: Path | None) -> tuple[Costs | None, str]:
+    """The costs a pair folder stores (None where it has none), and why they were not read ("" when
+    they were, or there were none)."""
+    path = Path(folder) / COSTS_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return None, ""
+    try:
+        return Costs.from_json(json.loads(path.read_text(encoding="utf-8"))), ""
+    except (ValueError, KeyError, TypeError, OSError):
+        return None, f"{path} unreadable: the engines' costs are measured at load instead"
+
+
+def by_size(target_bytes: int, drafter_bytes: int | None, k_max: int) -> Costs:
+    """Costs from the engines' sizes alone, in target steps: a CPU decodes at a rate set by the bytes
+    it reads, so a drafter step costs a target step times the ratio of their weights."""
+    # A forward over s positions costs a little more a position (small models on a CPU are bound by
+    # reading their weights, which a longer forward shares).
+    target = {s: 1.0 + 0.01 * (s - 1) for s in range(1, k_max + 2)}
+    if drafter_bytes is None:
+        return Costs(target, 0.0, 0.0)
+    ratio = drafter_bytes / max(1, target_bytes)
+    return Costs(target, ratio, ratio / 10)
+
+
+def measure(target: OrtEngine, drafter: OrtEngine | None, k_max: int) -> Costs:
+    """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught up,
+    timed now on these engines (which it leaves empty)."""
+    span = min(k_max + 1, target.manifest.max_context - CALIBRATION_CONTEXT)
+    t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(target.manifest.vocab_size, 1000) + 3
+    # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
+    # (several times a step), and a size first met mid-generation would teach the cost model that
+    # drafting costs ten times what it does.
+    median_forward(target, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
+    one = median_forward(target, t_ids, CALIBRATION_CONTEXT, 1)
+    many = median_forward(target, t_ids, CALIBRATION_CONTEXT, span)
+    step = fill = 0.0  # no drafter (prompt lookup alone): no drafter forwards to pay
+    if drafter is not None:
+        d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(drafter.manifest.vocab_size, 1000) + 3
+        step = median_forward(drafter, d_ids, CALIBRATION_CONTEXT, 1)
+        # A prompt's worth of positions at once (once untimed, once timed): from it alone auto judges
+        # whether a generation's first draft gains back the drafter's prompt, until one has.
+        fill = median_forward(drafter, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
+    return Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
+                 step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
+
+
+def median_forward(engine: OrtEngine, ids: np.ndarray, context: int, sizes: int | range,
+                   repeats: int = CALIBRATION_REPEATS) -> float:
+    """Median seconds of a forward over s positions after `context` cached ones (sizes: one s, or
+    several, each run `repeats` times), after one untimed forward of each."""
+    sizes = range(sizes, sizes + 1) if isinstance(sizes, int) else sizes
+    engine.reset()
+    engine.reserve(context + max(sizes, default=1))
+    engine.forward(ids[:context])
+    times = []
+    for s in sizes:
+        for i in range(repeats + 1):
+            engine.truncate(context)
+            before = engine.forward_time
+            engine.forward(ids[context : context + s])
+            if i:
+                times.append(engine.forward_time - before)
+    engine.reset()
+    return float(np.median(times)) if times else 0.0
 
 
 class Estimate:

@@ -2,7 +2,7 @@
 "One round, for every algorithm").
 
 Text, stops and streaming live in text_stream.TextStream; the algorithms in algorithms/; which
-proposer drafts how far in lookahead.py. What is left here is the round itself, the same for plain
+proposer drafts how far in schedules/. What is left here is the round itself, the same for plain
 decoding (no proposer, or nothing drafted) and for every speculative algorithm. A Generator
 (generator.py) runs one round per `generate_next_tokens`.
 """
@@ -10,16 +10,18 @@ decoding (no proposer, or nothing drafted) and for every speculative algorithm. 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edge_sd.algorithms.base import DrafterState
+from edge_sd.algorithms.lookup import LookupProposer
 from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
 from edge_sd.errors import EdgeSDError
-from edge_sd.lookahead import Round, Schedule
 from edge_sd.sampling import Rows, SamplingConfig, draw
+from edge_sd.schedules import Round, Schedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
@@ -41,15 +43,18 @@ class Decoder:
     """
 
     def __init__(self, target: Engine, cfg: SamplingConfig, rng: np.random.Generator, schedule: Schedule,
-                 drafter: DrafterState | None, committed: list[int], stream: TextStream, stats: Stats):
-        """committed: the ids so far (the prompt, and earlier turns), extended in place with every
-        committed token (a proposer that drafts from the text itself, prompt lookup, reads the same list)."""
+                 drafter: DrafterState | None, committed: Sequence[int], stream: TextStream, stats: Stats,
+                 readers: Sequence[LookupProposer] = ()):
+        """committed: the ids so far (the prompt, and earlier turns); the decoder keeps its own copy and
+        hands each round's to `readers`, the proposers that draft from the ids themselves (prompt
+        lookup), before the next round is planned."""
         self.target = target
         self.cfg = cfg
         self.rng = rng
         self.schedule = schedule
         self.drafter = drafter  # the state every drafting proposer draws from, synced after each round
-        self.committed = committed
+        self.committed = list(committed)
+        self.readers = readers
         self.stream = stream
         self.stats = stats
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
@@ -120,6 +125,8 @@ class Decoder:
         self.stats.count_round(len(cands), a, target_s)
         new, text = stream.push(cands[:a] + [nxt])
         committed += new
+        for reader in self.readers:
+            reader.follow(committed)
         if self.drafter is not None and not stream.done:
             self.drafter.sync(stream.generated)
         rest_s = time.perf_counter() - round_start - target_s - draft_s

@@ -1,0 +1,28 @@
+"""The names of the files and folders in an artifact folder (docs/artifact-format.md), in one place:
+the exporter writes them, the runtime reads them, and a host in another language finds them there.
+
+A pair folder holds `pair.json`, the vocabulary maps and the optional fitted files beside a target
+and a drafter engine folder; an engine folder holds `engine.json`, the ONNX files and the tokenizer,
+and the runtime cache it writes on first load.
+"""
+
+ENGINE_FILE = "engine.json"  # an engine's manifest
+PAIR_FILE = "pair.json"  # a pair's manifest
+TOKENIZER_FILE = "tokenizer.json"  # the engine's tokenizer (Hugging Face tokenizers format)
+TARGET_DIR, DRAFTER_DIR = "target", "drafter"  # a pair's engine folders as the exporter names them
+MAPS_FILE = "maps.npz"  # TLI's intersection and SLRS's prefix map
+COSTS_FILE = "costs.json"  # the engines' measured costs (export, `edge-sd calibrate`)
+DISCO_FILE = "disco.json"  # DISCO's classifier (`edge-sd calibrate`)
+KEPT_FILE = "kept_ids.npy"  # a pruned drafter head's drafter ids
+KERNEL_FILE = "rdk.npz"  # RDK's kernel
+
+# What the runtime writes into an engine folder on its first load (rebuilt whenever it does not check out)
+CACHE_DIR = "runtime_cache"
+ORT_DIR = "ort"  # ONNX Runtime's optimized graph: MODEL and DATA, with KEY_FILE
+KEY_FILE = "key.json"  # what the graph was built from, and its checksums
+MODEL = "model.onnx"
+DATA = "model.onnx.data"
+TABLES_FILE = "vocab_tables.npz"  # every token's bytes
+QUICK_FILE = "tokenizer.json"  # the tokenizer, saved by the tokenizers library for a quicker read
+QUICK_KEY = "tokenizer_key.json"
+TRT_CACHE_DIR = "trt_cache"  # TensorRT's engine cache (GPU only)
