@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from edge_sd.engines.ort import OrtEngine
+from edge_sd.engines.engine import OrtEngine
 from edge_sd.layout import COSTS_FILE
 from edge_sd.manifest import write_aside
 

@@ -91,7 +91,7 @@ class EngineManifest:
     # Each GroupQueryAttention also reads the position before the forward's first back from the KV
     # cache and attends over it too (export/attention_steps.py), so that a one-position step runs the
     # same attention kernel as a verification forward. Forwards still split at multiples of 64
-    # (engines/ort.py, SPLIT_AT), without re-feeding.
+    # (engines/consistency.py, SPLIT_AT), without re-feeding.
     previous_row_attention: bool = False
     # Sliding-window layers that may read their cache through a view from an offset (input
     # `window_offset`, export/attention_steps.py): {"layers": [...], "window": W, "granule": G}. The

@@ -23,7 +23,8 @@ from edge_sd.chat import render_chat
 from edge_sd.config import GenerationConfig
 from edge_sd.costs import Costs
 from edge_sd.disco import DiscoModel
-from edge_sd.engines.ort import OrtEngine, OrtSession
+from edge_sd.engines.engine import OrtEngine
+from edge_sd.engines.session import OrtSession
 from edge_sd.errors import ArtifactError, UsageError
 from edge_sd.layout import CACHE_DIR
 from edge_sd.manifest import (
@@ -33,7 +34,8 @@ from edge_sd.manifest import (
     load_pair_manifest,
     sha256_file,
 )
-from edge_sd.vocab import Vocab, VocabMaps, build_maps, same_vocabulary
+from edge_sd.vocab import Vocab
+from edge_sd.vocab_maps import VocabMaps, build_maps, same_vocabulary
 
 # Seconds a session being built gets to reach ONNX Runtime (which lets go of Python's lock) before a
 # tokenizer is read (which holds it): the few milliseconds of Python before it, with room to spare.
@@ -166,7 +168,7 @@ class Model:
         folder = Path(path)
         if export_kind(folder) == "pair":
             pm = load_pair_manifest(folder)
-            # Target and drafter take turns: their threads spin inside a run only (engines/ort.py).
+            # Target and drafter take turns: their threads spin inside a run only (engines/session.py).
             # ONNX Runtime repacks each quantized weight while it builds a session, holding a copy
             # beside the weight for a moment: a whole LM head's copy is the load's peak of memory. A
             # target whose head is in parts (export/logits.py) holds one part's, and its session is

@@ -242,7 +242,7 @@ def test_scratch_logits_are_the_forwards_own_in_a_reused_buffer(tiny_root: Path)
 
 
 def test_a_window_views_offset_leaves_every_row_its_window() -> None:
-    """engines/ort.py window_offset: the largest multiple of the granule at most start - window - 1,
+    """engines/kv.py window_offset: the largest multiple of the granule at most start - window - 1,
     so that the forward's rows (from `start`) and the previous position it reads back lie in the view,
     over more than window + 1 of its positions; 0 below that, and with views off."""
     from edge_sd.engines.ort import window_offset

@@ -15,7 +15,8 @@ from edge_sd.algorithms.standard import verify_standard
 from edge_sd.manifest import EngineManifest
 from edge_sd.sampling import SamplingConfig
 from edge_sd.text_stream import TextStream
-from edge_sd.vocab import Vocab, build_maps
+from edge_sd.vocab import Vocab
+from edge_sd.vocab_maps import build_maps
 
 
 def toy_vocab(pieces: list[str], eos: list[int] | None = None) -> Vocab:

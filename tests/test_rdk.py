@@ -19,7 +19,8 @@ from edge_sd.errors import UsageError
 from edge_sd.export.prune import _acceptance, build_kernel, calibration_samples, choose_kept, frequencies, prune_pair
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.sampling import sample
-from edge_sd.vocab import Vocab, VocabMaps
+from edge_sd.vocab import Vocab
+from edge_sd.vocab_maps import VocabMaps
 
 import tiny
 

@@ -185,7 +185,7 @@ def _views_against_whole(pipe, granule: int, ids: list[int], start: int, end: in
 
 def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
     """Gemma 3's sliding-window layers (15 of 18, a window of 512) read their cache through a view that
-    starts at an offset (manifest window_views, engines/ort.py window_offset): every forward's logits
+    starts at an offset (manifest window_views, engines/kv.py window_offset): every forward's logits
     equal, bit for bit, those of an engine reading the whole cache, across offsets 128 to 384. With
     offsets a multiple of 64 the same comparison finds forwards that differ (the attention kernel sums
     positions in blocks of 128 on this CPU), so this comparison can fail."""

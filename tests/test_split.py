@@ -3,7 +3,7 @@
 Plain decoding steps one position at a time over a graph whose attention reads the previous position
 back from the cache (a gguf target), or two at a time (`min_step_positions` 2); a verification forward
 covers several. On some CPUs a forward that spans position 64 computes its positions otherwise than the
-steps do (engines/ort.py, SPLIT_AT), so the engine runs such a forward as the steps meet it. Checked
+steps do (engines/engine.py, SPLIT_AT), so the engine runs such a forward as the steps meet it. Checked
 here as the loop would meet it: after plain steps to each length T, a forward of the last S positions
 (fed again) gives every one of its positions the logits the steps gave it (engines/consistency.py,
 across_split, which export validation runs too).

@@ -14,7 +14,7 @@ import numpy as np
 
 from edge_sd.algorithms import verify_exact, verify_greedy, verify_point, verify_standard
 from edge_sd.sampling import SamplingConfig, residual, sample, warp
-from edge_sd.vocab import build_maps
+from edge_sd.vocab_maps import build_maps
 
 N = 20000
 DELTA = 1e-4

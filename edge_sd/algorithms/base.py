@@ -10,7 +10,8 @@ import numpy as np
 
 from edge_sd.engines.base import Engine
 from edge_sd.sampling import Probs
-from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
+from edge_sd.token_bytes import is_continuation, utf8_complete
+from edge_sd.vocab import WINDOW_TOKENS, Vocab
 
 # How fast the estimate of a one-position drafter forward follows new measurements.
 STEP_WEIGHT = 0.1

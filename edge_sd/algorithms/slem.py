@@ -7,7 +7,8 @@ import numpy as np
 
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule
 from edge_sd.sampling import Probs, Rows
-from edge_sd.vocab import WINDOW_TOKENS, Vocab, is_continuation, utf8_complete
+from edge_sd.token_bytes import is_continuation, utf8_complete
+from edge_sd.vocab import WINDOW_TOKENS, Vocab
 
 
 def verify_exact(candidates: list[int], q: np.ndarray | None, p: Probs,

@@ -14,7 +14,8 @@ import numpy as np
 from edge_sd.algorithms.base import Draft, DrafterState, StopRule, scatter_to_targets
 from edge_sd.algorithms.standard import verify_standard
 from edge_sd.sampling import SamplingConfig, sample, warp
-from edge_sd.vocab import Vocab, longest_prefix_token
+from edge_sd.vocab import Vocab
+from edge_sd.vocab_maps import longest_prefix_token
 
 
 class SLRSProposer:

@@ -19,7 +19,7 @@ from edge_sd.algorithms.rdk import Kernel
 from edge_sd.export.prune import build_kernel, calibration_samples, choose_kept, frequencies
 from edge_sd.pipeline import GenerationConfig, Pipeline
 from edge_sd.sampling import SamplingConfig, warp
-from edge_sd.vocab import utf8_complete
+from edge_sd.token_bytes import utf8_complete
 
 T1 = SamplingConfig(temperature=1.0)
 

@@ -39,7 +39,7 @@ EDGE_ALGORITHMS = ("slem", "tli", "slrs")
 # and with its LM-head pruning off (bench/hf.py says why).
 HF_ASSISTED = {"greedy": ("uag",), "sample": ("usd", "usd-unpruned")}
 # Seconds to wait before each timed run. Plain decoding's lone engine lets its threads spin between
-# runs (engines/ort.py), for about 50 ms after its last one: the run after it, always auto, paid ~45 ms
+# runs (engines/session.py), for about 50 ms after its last one: the run after it, always auto, paid ~45 ms
 # more for its prompt's prefill (328 against 283 ms, medians of 8, after a pause of 0.05 s or more).
 SETTLE_S = 0.1
 # On a GPU the pause does harm instead: after 0.1 s idle the device starts the next generation cold
@@ -170,7 +170,7 @@ def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = No
     if pipe.drafter is None:
         raise UsageError(f"{opts.pair} holds a single engine; the benchmark needs a pair folder")
     # Plain decoding runs on the target folder alone, as `edge-sd generate PAIR/target` does: a lone
-    # engine lets its threads spin between steps, which a pair must not (engines/ort.py).
+    # engine lets its threads spin between steps, which a pair must not (engines/session.py).
     plain = Pipeline.from_folder(pipe.target.engine.folder, provider=opts.provider, threads=opts.threads)
     variants = {f: Pipeline.from_folder(pruned_copy(opts.pair, f, opts.cache), provider=opts.provider,
                                         threads=opts.threads)

@@ -6,7 +6,7 @@ can differ with the number of positions: on x86, ONNX Runtime's GroupQueryAttent
 for one query row (1e-5 of its output) and int4 MatMulNBits too, which int8 activations then round into
 1e-2 of the logits; on CUDA, fp16 GEMV against GEMM kernels. The export measures this on the provider it
 validates on (export/validate.py); an engine run on another provider measures it again at load
-(engines/ort.py), with the same forwards, no torch needed.
+(engines/engine.py), with the same forwards, no torch needed.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _steps_to(engine, ids: np.ndarray, n: int) -> None:
 
 
 def measure_split(engine, min_step: int, worst: dict[str, float], rng: np.random.Generator, vocab: int) -> bool:
-    """Where the engine's forwards split at multiples of SPLIT_AT (engines/ort.py: with two-position
+    """Where the engine's forwards split at multiples of SPLIT_AT (engines/engine.py: with two-position
     steps, or over a graph whose attention reads the previous position back), add `across_split`,
     stepping `min_step` positions, to worst["small"]; whether they split."""
     if min_step < 2 and not engine.manifest.previous_row_attention:

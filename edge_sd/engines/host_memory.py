@@ -12,7 +12,7 @@ time a forward writes it, and a forward's blocks between the two (an LM head par
 row, export/logits.py) made the target's verification forwards markedly slower when mapped, while
 taking them from the heap left resident memory as flat over a 2048-token generation
 (benchmarks/results/startup.md). A forward's whole-vocabulary logits stay mapped, so the decoding loop
-writes them into a buffer the engine reuses (engines/ort.py, `forward(scratch=True)`). A process that
+writes them into a buffer the engine reuses (engines/engine.py, `forward(scratch=True)`). A process that
 sets MALLOC_MMAP_THRESHOLD_ keeps its own.
 
 A fixed mmap threshold also fixes glibc's trim threshold, at 128 KiB: every freed heap block of more

@@ -186,3 +186,14 @@ class SharedKV:
         # buffers are written again from the start and nothing in them counts as released.
         if n == 0:
             self.released, self._released_layers = 0, set()
+
+
+def window_offset(start: int, window: int, granule: int) -> int:
+    """Where a forward whose first new position is `start` may have its sliding-window layers read
+    their cache from: the largest multiple of `granule` at most start - window - 1 (0 below it, or
+    with granule 0). Every row of the forward, and the previous position it reads back, then attends
+    within the view, and over more than `window` + 1 positions of it, so that the kernel applies the
+    window as it does over the whole cache."""
+    if granule <= 0:
+        return 0
+    return max(0, (start - window - 1) // granule * granule)

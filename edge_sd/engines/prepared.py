@@ -32,6 +32,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from edge_sd.errors import ArtifactError
 from edge_sd.layout import CACHE_DIR, DATA, KEY_FILE, MODEL, ORT_DIR
 from edge_sd.manifest import EngineManifest
 from edge_sd.scratch import scratch_folder
@@ -178,3 +179,52 @@ def size(folder: Path) -> int | None:
 
 def discard(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: list, names: list[str], whole: bool,
+          notes: list[str]) -> tuple[ort.InferenceSession, str]:
+    """An engine's session, from the graph a first load saved beside it where there is one, else from
+    the engine, saving it for the next load. Also says which: "loaded" / "saved" from or into that
+    cache, "" neither. whole: check every byte of the cache (else sampled blocks); notes: where a
+    damaged cache is reported."""
+    original = folder / m.model_file
+    if not wanted(m, names):
+        return open_session(original, opts, chosen), ""
+    key = cache_key(m, folder)
+    saved, damaged = saved_model(folder, key, whole=whole)
+    if damaged:
+        notes.append(f"{m.name}: its runtime cache was damaged ({damaged}); prepared again")
+    if saved is not None:
+        level = opts.graph_optimization_level
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+        try:
+            return ort.InferenceSession(str(saved), sess_options=opts, providers=chosen), "loaded"
+        except Exception:  # damaged: made again below
+            notes.append(f"{m.name}: ONNX Runtime could not load its runtime cache; prepared again")
+            discard(saved.parent)
+            opts.graph_optimization_level = level
+    tmp = save_to(opts, folder)
+    if tmp is None:
+        return open_session(original, opts, chosen), ""
+    try:
+        session = open_session(original, opts, chosen)
+    except ArtifactError:
+        # ONNX Runtime fails the whole load when it cannot write the graph (a full disk, say): loaded
+        # again without saving, it reports what is wrong with the engine itself, if anything.
+        discard(tmp)
+        opts.optimized_model_filepath = ""
+        return open_session(original, opts, chosen), ""
+    except BaseException:
+        discard(tmp)
+        raise
+    commit(tmp, folder, key)
+    return session, "saved"
+
+
+def open_session(path: Path, opts: ort.SessionOptions, chosen: list) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=chosen)
+    except Exception as e:  # ORT raises its own exception types for unreadable models
+        text = str(e).strip()
+        first = text.splitlines()[0][:300] if text else type(e).__name__
+        raise ArtifactError(f"{path}: ONNX Runtime could not load it ({first})") from None

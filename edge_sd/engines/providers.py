@@ -19,7 +19,7 @@ PROVIDERS = {
 # `auto` takes every one of these that this onnxruntime build offers, in this order: the providers
 # edge-sd has run its checks through (CUDA on an H200, the CPU on x86-64). TensorRT has never run here
 # (its libraries are not on the machines edge-sd is tested on): it is used only when named, with a
-# warning (engines/ort.py).
+# warning (engines/session.py).
 AUTO_ORDER = ("cuda", "cpu")
 UNVERIFIED = ("tensorrt",)
 
@@ -91,3 +91,30 @@ def tensorrt_options(m: EngineManifest, folder: Path, capacity: int, max_rows: i
         "trt_profile_opt_shapes": opt,
         "trt_profile_max_shapes": hi,
     }
+
+
+# When worker threads busy-wait for work (OrtSession's `spin`).
+SPIN = ("always", "run", "never")
+
+
+def session_options(threads: int | None, spin: str) -> ort.SessionOptions:
+    """ONNX Runtime's options for an engine's session (OrtSession says what `spin` does)."""
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # No arena for host memory: decoding's forwards change size every round (positions fed, positions
+    # attended), and an arena keeps every size it was ever asked for, growing through a long
+    # generation; plain allocation ran as fast (benchmarks/results/startup.md).
+    opts.enable_cpu_mem_arena = False
+    # Errors only: ONNX Runtime warns on every load that `logits_to_keep`, an input with a default, is
+    # not constant-folded (what edge-sd has to say about providers it says itself).
+    opts.log_severity_level = 3
+    if spin not in SPIN:
+        raise ValueError(f"spin must be one of {', '.join(SPIN)}, not {spin!r}")
+    if spin == "run":
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
+    elif spin == "never":
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts

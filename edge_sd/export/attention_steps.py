@@ -141,7 +141,7 @@ def rewrite_model(model: Any, where: Path | str = "graph") -> int:
 # window layer's work grows with the whole context. Rotated before they are cached (above), keys and
 # values do not depend on where in a buffer they sit: a window layer may as well be given a view of
 # its buffer that starts `window_offset` positions in, as long as the view holds every position its
-# rows attend to. The engine binds such views (engines/ort.py); these nodes turn the forward's
+# rows attend to. The engine binds such views (engines/engine.py); these nodes turn the forward's
 # geometry into the view's.
 
 WINDOW_PREFIX = "/window_view"

@@ -11,7 +11,8 @@ from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, so
 from edge_sd.layout import DRAFTER_DIR, MAPS_FILE, TARGET_DIR
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
 from edge_sd.paths import cache_dir
-from edge_sd.vocab import Vocab, build_maps, same_vocabulary
+from edge_sd.vocab import Vocab
+from edge_sd.vocab_maps import build_maps, same_vocabulary
 
 
 def default_out(target: str, drafter: str | None) -> Path:
