@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine, write_results
 from edge_sd.manifest import load_pair_manifest
 from edge_sd.model import Model
-from edge_sd.paths import cache_dir
+from edge_sd.tools import prompt_sets
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

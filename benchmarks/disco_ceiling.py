@@ -23,7 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
@@ -57,10 +57,10 @@ def main() -> None:
 
     import numpy as np
 
-    from edge_sd.bench import prompts as prompt_sets
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.pipeline import GenerationConfig, Pipeline
     from edge_sd.schedules import StaticSchedule, StoppedSchedule
+    from edge_sd.tools import prompt_sets
 
     cache = cache_dir()
     plist = [p for s in ("code", "summarisation")

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = cache_dir()
@@ -70,12 +70,13 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, default=None, help="a llama.cpp llama-bench binary")
     args = ap.parse_args()
 
-    from edge_sd.bench import engine_report, prompts
+    from edge_sd.bench import engine_report
     from edge_sd.bench.engines import EngineCase, EngineOptions, run
     from edge_sd.bench.quality import quality
     from edge_sd.bench.run import machine
     from edge_sd.engines.ort import OrtEngine
     from edge_sd.pipeline import Pipeline
+    from edge_sd.tools import prompt_sets as prompts
 
     per_set, tokens, repeats, n_articles = (1, 24, 5, 3) if args.quick else (3, 64, 20, 20)
     texts = [p.text for s in prompts.SETS for p in prompts.load(s, CACHE, per_set)]

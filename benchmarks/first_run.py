@@ -19,7 +19,7 @@ import datetime
 import statistics
 from pathlib import Path
 
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"
@@ -41,9 +41,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48)
     args = ap.parse_args()
 
-    from edge_sd.bench import prompts as prompt_sets
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.pipeline import GenerationConfig, Pipeline
+    from edge_sd.tools import prompt_sets
 
     cache = cache_dir()
     plist = [p for s in ("code", "summarisation")

@@ -27,12 +27,12 @@ from pathlib import Path
 
 from edge_sd import GenerationConfig, Pipeline
 from edge_sd.bench import engines as engine_bench
-from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench import report
 from edge_sd.bench.run import BenchOptions
 from edge_sd.bench.run import run as run_loop
 from edge_sd.manifest import PAIR_FILE, load_engine_manifest, load_pair_manifest
-from edge_sd.paths import cache_dir
+from edge_sd.tools import prompt_sets
+from edge_sd.tools.paths import cache_dir
 
 
 def gpu_name() -> str:

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "engines" / "gemma3-270m_smollm2-135m"

@@ -41,14 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.llama_cpp import LlamaCpp, Timing
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import CHAT, machine, write_results
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
-from edge_sd.paths import cache_dir
 from edge_sd.pipeline import GenerationConfig, Pipeline
 from edge_sd.sampling import SamplingConfig
+from edge_sd.tools import prompt_sets
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = cache_dir()

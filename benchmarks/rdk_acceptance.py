@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = cache_dir()
@@ -38,11 +38,11 @@ def main() -> None:
     ap.add_argument("--no-readme", action="store_true")
     args = ap.parse_args()
 
-    from edge_sd.bench import prompts
     from edge_sd.bench.acceptance import measure, variants
     from edge_sd.bench.run import machine
     from edge_sd.export import prune
     from edge_sd.pipeline import Pipeline
+    from edge_sd.tools import prompt_sets as prompts
 
     fractions = [float(x) for x in args.keep.split(",")]
     plist = [p for s in prompts.SETS for p in prompts.load(s, CACHE, args.skip + args.per_set)[args.skip:]]

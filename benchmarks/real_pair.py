@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from edge_sd.cli import app
+from edge_sd.tools.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 # The results' settings: 2 threads (the machines measured have 2 cores), transformers' assisted

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.run import CHAT, machine, write_results
 from edge_sd.model import Model
-from edge_sd.paths import cache_dir
 from edge_sd.sampling import Dist, SamplingConfig, chain, draw, penalize, sample
+from edge_sd.tools import prompt_sets
+from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_sd.bench import prompts
-from edge_sd.cli import app
 from edge_sd.errors import UsageError
+from edge_sd.tools import prompt_sets as prompts
+from edge_sd.tools.cli import app
 
 from test_real_pair import CACHE, HF, PAIR
 

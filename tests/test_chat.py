@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edge_sd import GenerationConfig, Pipeline
-from edge_sd.cli import app
+from edge_sd.tools.cli import app
 
 from conftest import PROVIDER
 

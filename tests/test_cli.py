@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from edge_sd.cli import app
+from edge_sd.tools.cli import app
 from edge_sd.vocab import Vocab
 
 

@@ -129,7 +129,7 @@ def test_export_cli_end_to_end_and_force(tiny_root: Path, tmp_path: Path) -> Non
 
     from typer.testing import CliRunner
 
-    from edge_sd.cli import app
+    from edge_sd.tools.cli import app
 
     out = tmp_path / "pair"
     ended = subprocess.Popen(["true"])

@@ -111,8 +111,8 @@ def test_missing_tools_and_files_are_named(tmp_path: Path) -> None:
 def test_bench_runs_llama_cpp_rows_beside_edge_sd(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from edge_sd.cli import app
     from edge_sd.manifest import load_engine_manifest
+    from edge_sd.tools.cli import app
 
     from test_real_pair import PAIR
 

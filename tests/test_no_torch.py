@@ -21,7 +21,7 @@ def test_runtime_generates_without_torch(tiny_root: Path) -> None:
     code = BLOCK + f"""
 import json
 from edge_sd import Pipeline, GenerationConfig
-from edge_sd.cli import app
+from edge_sd.tools.cli import app
 pipe = Pipeline.from_folder({str(tiny_root / 'pairs' / 'gemma_qwen')!r}, provider='cpu', threads=1)
 r = pipe.generate('The cat', GenerationConfig(max_new_tokens=8, algorithm='slrs'))
 try:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from edge_sd import GenerationConfig, Pipeline
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 from test_lossless import assert_same_or_near_tie, count_takes, is_exact, plain_greedy
 

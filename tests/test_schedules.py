@@ -276,8 +276,8 @@ def test_calibrate_then_disco_and_auto_stay_lossless(tiny_root, tmp_path, pipeli
     from dataclasses import replace
 
     from edge_sd import GenerationConfig, Pipeline
-    from edge_sd.calibrate import calibrate
     from edge_sd.disco import DISCO_FILE
+    from edge_sd.tools.calibrate import calibrate
 
     folder = tmp_path / "pair"
     shutil.copytree(tiny_root / "pairs" / "gemma_qwen", folder)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge_sd.paths import cache_dir
 from edge_sd.token_bytes import utf8_complete
+from edge_sd.tools.paths import cache_dir
 from edge_sd.vocab import Vocab
 from edge_sd.vocab_maps import build_maps, same_vocabulary
 

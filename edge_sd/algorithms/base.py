@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,7 +130,25 @@ class DrafterState:
         self._stop = stop
         self.catch_up_s = 0.0
         self.caught_up = 0
+        return self.room(k)
+
+    def room(self, k: int) -> int:
+        """`budget`'s answer, asking nothing of a draft."""
         return 0 if self.lagging else max(0, min(k, self.engine.manifest.max_context - len(self.ids)))
+
+    def drafting(self, k: int, stop: StopRule | None = None, ask: bool = True) -> Iterator[np.ndarray]:
+        """The drafting loop every drafter proposer runs: the drafter's logits [V_d] for each token of a
+        draft of up to k (`budget`, asked now). The proposer pushes the token it draws from them before
+        it asks for the next, which is when the stop rule is asked about that token (ask=False: the
+        proposer asks it itself); it ends the draft sooner by leaving the loop."""
+        return self._drafting(self.budget(k, stop), ask)
+
+    def _drafting(self, n: int, ask: bool) -> Iterator[np.ndarray]:
+        for _ in range(n):
+            logits = self.next_logits()
+            yield logits
+            if ask and not self.keep_drafting(logits):
+                return
 
     @property
     def behind(self) -> int:
@@ -185,8 +203,10 @@ class DrafterState:
     def push(self, d: int) -> None:
         self.ids.append(int(d))
 
-    def draft(self, candidates: list[int], q: np.ndarray | None) -> Draft:
-        """The draft a proposer drafted from this state since `budget`, with what it caught up."""
+    def draft(self, candidates: list[int], rows: list[np.ndarray] | None) -> Draft:
+        """The draft a proposer drafted from this state since `budget`, with what it caught up. rows:
+        each candidate's proposal row (q [m, V_t] stacked; None for exact match)."""
+        q = np.stack(rows) if rows else None
         return Draft(candidates, q, self.catch_up_s, self.caught_up)
 
     def take(self, text: bytes) -> bool:

@@ -95,8 +95,7 @@ class RDKProposer:
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
         cands: list[int] = []
         rows: list[np.ndarray] = []
-        for _ in range(self.drafter.budget(k, stop)):
-            logits = self.drafter.next_logits()  # [V_d]; -inf on rows a pruned head lost
+        for logits in self.drafter.drafting(k, stop):  # [V_d]; -inf on rows a pruned head lost
             cfg = GREEDY_DRAFT if self.cfg.greedy else self.cfg
             q = warp(logits, cfg, cfg.window(self.drafter.ids)) * self.rowed[: len(logits)]
             mass = q.sum()
@@ -111,9 +110,9 @@ class RDKProposer:
                 t = sample(psi, self.rng)
             cands.append(t)
             rows.append(psi)
-            if t in self.eos or not self._continue_from(t) or not self.drafter.keep_drafting(logits):
+            if t in self.eos or not self._continue_from(t):
                 break
-        return self.drafter.draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, rows)
 
     def _continue_from(self, t: int) -> bool:
         """Feed the drafter the candidate's bytes; False when it cannot spell them."""

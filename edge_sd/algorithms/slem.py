@@ -71,17 +71,15 @@ class SLEMProposer:
         self.drafter_eos = set(drafter_eos)
 
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
-        k = self.drafter.budget(k, stop)
         healed = len(self.drafter.healing)  # bytes of the first drafted token that the prompt holds
         text = b""
-        for _ in range(k):
-            logits = self.drafter.next_logits()
+        drafting = self.drafter.drafting(k, stop)
+        k = self.drafter.room(k)
+        for logits in drafting:
             d = int(np.argmax(logits))
             if d in self.drafter_eos or not self.drafter.vocab.token_bytes[d]:
                 break  # no bytes to match: the target's own EOS comes as a correction or bonus
             self.drafter.push(d)
             text += self.drafter.vocab.token_bytes[d] or b""
-            if not self.drafter.keep_drafting(logits):
-                break
         text = text[healed:]
         return self.drafter.draft(retokenize(self.target_vocab, committed, text, k) if text else [], None)

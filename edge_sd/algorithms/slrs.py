@@ -35,11 +35,12 @@ class SLRSProposer:
         self.max_len = target_vocab.max_token_len
 
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
-        room = self.drafter.budget(k, stop)  # drafter tokens; leftovers cost none
+        # Leftovers cost no drafter token and come between drafter tokens: the stop rule is asked here,
+        # right after each drafter token, as the other proposers' loop asks it.
+        drafting = self.drafter.drafting(k, stop, ask=False)
         cands: list[int] = []
         rows: list[np.ndarray] = []
         leftover = b""
-        drafted = 0
         more = True  # the stop rule's answer after the last drafted token
         while len(cands) < k:
             if leftover:
@@ -49,15 +50,14 @@ class SLRSProposer:
                     row[t] = 1.0
                     leftover = leftover[len(self.tb[t] or b""):]
             else:
-                if drafted >= room or not more:
+                logits = next(drafting, None) if more else None  # [V_d]
+                if logits is None:
                     break
-                logits = self.drafter.next_logits()  # [V_d]
                 q = warp(logits, self.cfg, self.cfg.window(self.drafter.ids))
                 d = int(np.argmax(q)) if self.cfg.greedy else sample(q, self.rng)
                 row = scatter_to_targets(q, self.prefix, self.target_width)  # psi(t) = sum of q(d), g(d) = t
                 t = int(self.prefix[d])
                 self.drafter.push(d)
-                drafted += 1
                 more = self.drafter.keep_drafting(logits)
                 if t >= 0:
                     leftover = (self.drafter.vocab.token_bytes[d] or b"")[len(self.tb[t] or b""):]
@@ -65,4 +65,4 @@ class SLRSProposer:
             rows.append(row)
             if t < 0 or t in self.eos:
                 break  # "none" is never accepted, and nothing follows EOS
-        return self.drafter.draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, rows)

@@ -61,8 +61,7 @@ class MappedProposer:
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:
         cands: list[int] = []
         rows: list[np.ndarray] = []
-        for _ in range(self.drafter.budget(k, stop)):
-            logits = self.drafter.next_logits()  # [V_d]
+        for logits in self.drafter.drafting(k, stop):  # [V_d]
             width = min(len(logits), len(self.map))
             if self.cfg.greedy:
                 masked = np.where(self.mapped[:width], logits[:width], -np.inf)
@@ -83,9 +82,9 @@ class MappedProposer:
             cands.append(t)
             rows.append(scatter_to_targets(qd, self.map, self.target_width))
             self.drafter.push(d)
-            if t in self.eos or not self.drafter.keep_drafting(logits):
+            if t in self.eos:
                 break
-        return self.drafter.draft(cands, np.stack(rows) if rows else None)
+        return self.drafter.draft(cands, rows)
 
 
 

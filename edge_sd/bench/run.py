@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_sd.bench import prompts as prompt_sets
 from edge_sd.bench.record import Record
 from edge_sd.errors import UsageError
 from edge_sd.export.prune import pruned_copy
 from edge_sd.pipeline import GenerationConfig, Pipeline
 from edge_sd.sampling import SamplingConfig
+from edge_sd.tools import prompt_sets
 
 CHAT = SamplingConfig(0.8, top_k=40, top_p=0.95, min_p=0.05)
 

@@ -10,7 +10,7 @@ from edge_sd.export.atomic import atomic_folder
 from edge_sd.export.hf import ExportOptions, Step, _null_step, export_engine, source_name, tokenizer_file
 from edge_sd.layout import DRAFTER_DIR, MAPS_FILE, TARGET_DIR
 from edge_sd.manifest import FORMAT_VERSION, EngineManifest, PairManifest, save, sha256_file
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 from edge_sd.vocab import Vocab
 from edge_sd.vocab_maps import build_maps, same_vocabulary
 

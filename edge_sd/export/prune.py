@@ -25,9 +25,9 @@ from edge_sd.export.logits import load as load_model
 from edge_sd.export.logits import save as save_model
 from edge_sd.layout import CACHE_DIR, ENGINE_FILE, KEPT_FILE, KERNEL_FILE, MAPS_FILE, PAIR_FILE, TRT_CACHE_DIR
 from edge_sd.manifest import EngineManifest, file_entries, load_engine_manifest, load_pair_manifest, save
+from edge_sd.tools.wheel_data import Source, fetch, single
 from edge_sd.vocab import Vocab
 from edge_sd.vocab_maps import VocabMaps
-from edge_sd.wheel_data import Source, fetch, single
 
 # The default corpus, one domain each (a token's frequency is its share within each domain, summed, so
 # that 1.5 MB of code does not drown 0.36 MB of prose): 300 ABC news articles of the Lee background

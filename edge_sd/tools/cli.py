@@ -23,7 +23,7 @@ except ImportError as e:  # the runtime alone (`pip install .`) has no command l
 
 from edge_sd import text_input
 from edge_sd.errors import ContextLimitError, EdgeSDError, UsageError
-from edge_sd.paths import cache_dir
+from edge_sd.tools.paths import cache_dir
 
 # Help texts write defaults as \[default]: rich markup would take a bare [default] for a tag and drop it.
 app = typer.Typer(
@@ -538,11 +538,11 @@ def calibrate(
       edge-sd calibrate engines/pair --prompts my-prompts.jsonl --draft-max 8
     """
     with _errors():
-        from edge_sd.bench import prompts as prompt_sets
-        from edge_sd.calibrate import calibrate as run_calibration
-        from edge_sd.calibrate import read_prompts
         from edge_sd.manifest import export_kind
         from edge_sd.pipeline import Pipeline
+        from edge_sd.tools import prompt_sets
+        from edge_sd.tools.calibrate import calibrate as run_calibration
+        from edge_sd.tools.calibrate import read_prompts
 
         if export_kind(folder) != "pair":  # before the prompt sets are fetched
             raise UsageError(f"calibrate fits a pair's drafts: {folder} holds one engine")
@@ -644,6 +644,7 @@ def bench(
     with _errors():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+        _harness()
         from edge_sd.bench import report
         from edge_sd.bench.run import BenchOptions, configs, run
         from edge_sd.manifest import export_kind
@@ -686,15 +687,26 @@ def bench(
         err.print("wrote " + ", ".join(str(p) for p in written["files"]))
 
 
+def _harness() -> None:
+    """The benchmark harness is not in the installed package: it runs from a clone."""
+    import importlib.util
+
+    if importlib.util.find_spec("edge_sd.bench") is None:
+        raise UsageError("bench runs from a clone of edge-sd: the harness (edge_sd/bench) is not installed with "
+                         "the package; in the clone, pip install -e '.[cli,bench]'")
+
+
 def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, threads: int, quick: bool,
                    out_dir: Path) -> None:
     """`bench --engines`: the pair's target and drafter (or one engine folder) against onnxruntime-genai."""
     import datetime
     with _errors():
-        from edge_sd.bench import engine_report, prompts
+        _harness()
+        from edge_sd.bench import engine_report
         from edge_sd.bench.engines import EngineCase, EngineOptions, run
         from edge_sd.bench.run import machine
         from edge_sd.manifest import export_kind, load_pair_manifest
+        from edge_sd.tools import prompt_sets as prompts
 
         ks = _int_list(k, "--draft-lengths")
         if len(ks) != 1:

