@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's command-line tools (llama-bench, llama-completion, llama-speculative-simple,
-# llama-perplexity) from the sources vendored in the llama-cpp-python sdist on PyPI, for the side-by-side
-# benchmarks (benchmarks/llama_cpp.py). Optional: never part of the set-up or the tests. About 10
+# llama-perplexity, llama-tokenize) from the sources vendored in the llama-cpp-python sdist on PyPI, for the side-by-side
+# benchmarks (benchmarks/llama_cpp.py) and the tokenizer check (benchmarks/gguf_tokenizer.py). Optional: never part of the set-up or the tests. About 10
 # minutes on 2 cores; a second run reuses the build.
 #
 #   bash benchmarks/llama_cpp.sh            # prints the folder holding the binaries
@@ -11,7 +11,7 @@ set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${EDGE_SD_CACHE:-$HOME/.cache/edge-sd}
 ROOT="$CACHE/llama.cpp/$VERSION"
-TOOLS="llama-bench llama-completion llama-speculative-simple llama-perplexity"
+TOOLS="llama-bench llama-completion llama-speculative-simple llama-perplexity llama-tokenize"
 # Native code, less AMX: virtual machines can list AMX among the CPU's features while its tile
 # instructions trap (seen on a Sapphire Rapids VM: llama.cpp died with SIGILL at its first matmul).
 FLAGS=(-DGGML_NATIVE=ON)
@@ -19,7 +19,7 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
   NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
 fi
-if [ -x "$ROOT/build/bin/llama-speculative-simple" ] && [ -x "$ROOT/build/bin/llama-completion" ] \
+if [ -x "$ROOT/build/bin/llama-speculative-simple" ] && [ -x "$ROOT/build/bin/llama-tokenize" ] \
     && [ "$(cat "$ROOT/build/.flags" 2>/dev/null)" = "${FLAGS[*]}" ]; then
   echo "$ROOT/build/bin"
   exit 0

@@ -162,7 +162,7 @@ def gguf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                          ("qwen", "qwen2", tiny.train_byte_level(384, seed_lines=50), QWEN_TYPES, 22)):
         hf = tiny.build_model(root / f"hf_{name}", tok, arch, seed=seed, steps=100, **DIMS)
         tok.save(str(root / f"{name}.tokenizer.json"))
-        tiny.write_gguf(hf, root / f"{name}.gguf", types)
+        tiny.write_gguf(hf, root / f"{name}.gguf", types, tokenizer=True)
     export(str(root / "llama.gguf"), str(root / "qwen.gguf"), root / "pair", ExportOptions(),
            tokenizer=str(root / "llama.tokenizer.json"), drafter_tokenizer=str(root / "qwen.tokenizer.json"))
     (root / "done").touch()

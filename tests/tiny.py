@@ -234,9 +234,29 @@ def random_blocks(w, kind: str):
     return raw.reshape(w.shape[0], -1)
 
 
-def write_gguf(hf: Path, path: Path, types: dict[str, str]) -> Path:
+def add_tokenizer(writer, tokenizer_json: Path) -> None:
+    """A byte-level BPE tokenizer's metadata as llama.cpp's converter writes it (`gpt2`, GPT-2's
+    pre-tokenizer; special tokens as control tokens; BOS where the tokenizer adds one)."""
+    import gguf
+
+    tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in tj["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    writer.add_bos_token_id(vocab["<bos>"])
+    writer.add_eos_token_id(vocab["<eos>"])
+    writer.add_add_bos_token(bool(tj.get("post_processor")))
+
+
+def write_gguf(hf: Path, path: Path, types: dict[str, str], tokenizer: bool = False) -> Path:
     """The llama or qwen2 model of an HF folder as a GGUF file: each weight matrix in the GGML type of
     the first pattern of `types` (fnmatch on GGUF names) it matches, else F32; norms and biases F32.
+    tokenizer: with the folder's tokenizer in the metadata, as llama.cpp's converter writes it.
     Llama's q and k rows are permuted as llama.cpp's converter permutes them (transformers undoes it)."""
     import fnmatch
 
@@ -261,6 +281,8 @@ def write_gguf(hf: Path, path: Path, types: dict[str, str]) -> Path:
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_chat_template(CHAT_TEMPLATE)  # as real GGUF files carry theirs
+    if tokenizer:
+        add_tokenizer(writer, hf / "tokenizer.json")
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

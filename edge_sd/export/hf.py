@@ -120,14 +120,10 @@ def resolve_source(src: str, workdir: Path, step: Step) -> tuple[str, Any]:
                 )
             except Exception as e:
                 raise ExportError(f"could not load GGUF {src}: {_short(e)}") from None
-            try:
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            except Exception:
-                tok = None  # a file without a usable tokenizer still exports with --tokenizer
             model.save_pretrained(hf_dir)
-            if tok is not None:
-                tok.save_pretrained(hf_dir)
-        return str(hf_dir), tok
+        # Not the tokenizer transformers builds from the file, which encodes otherwise than llama.cpp
+        # and may name other special ids: the file's own (gguf_tokenizer.py), or --tokenizer.
+        return str(hf_dir), None
     if path.exists() and not path.is_dir():
         raise UsageError(f"{src} is a file but not a .gguf; pass a GGUF file, an HF folder or a model id")
     if not path.exists() and (src.startswith((".", "/")) or src.count("/") > 1):
@@ -266,7 +262,19 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
         gen = GenerationConfig.from_pretrained(hf_src)
     except Exception:
         gen = None
-    tj = _tokenizer_json(tok, tokenizer, dest)
+    stops: tuple[int, ...] = ()
+    if tokenizer is None and src.lower().endswith(".gguf"):
+        # The file's own tokenizer, as llama.cpp reads it (the one transformers builds from a GGUF file
+        # encodes otherwise: export/gguf_tokenizer.py).
+        from edge_sd.export import gguf_tokenizer
+
+        with step(f"tokenizer from {Path(src).name}'s metadata"):
+            own = workdir / TOKENIZER_FILE
+            own.write_text(json.dumps(gguf_tokenizer.tokenizer_json(Path(src))), encoding="utf-8")
+            stops = tuple(gguf_tokenizer.stop_ids(Path(src)))
+        tj = _tokenizer_json(None, str(own), dest)
+    else:
+        tj = _tokenizer_json(tok, tokenizer, dest)
     path = choose_exporter(opts.exporter, config, hf_src)
     if opts.precision not in SUPPORTED_PRECISIONS[path]:
         raise UsageError(f"precision {opts.precision} is not available on the {path} path; use one of "
@@ -275,7 +283,7 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
     # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
     fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
                 and opts.precision in SUPPORTED_PRECISIONS["optimum"])
-    job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer)
+    job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer, stops)
     try:
         return _export_path(job, path)
     except ExportError as e:
@@ -305,6 +313,7 @@ class _Job:
     tj: dict
     name: str
     tokenizer: str | None
+    stops: tuple[int, ...] = ()  # a GGUF file's own end-of-generation ids, where its tokenizer is used
 
 
 def _export_path(job: _Job, path: str) -> EngineManifest:
@@ -352,7 +361,8 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         if previous_row:
             with step("sliding-window layers over a view of their cache"):
                 pasts, window = window_views(dest / "model.onnx")
-    manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path)
+    manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path,
+                         job.stops)
     views: dict = {}
     if previous_row and pasts:
         layer_of = {manifest.past_key_template.format(i=i): i for i in range(manifest.num_layers)}
@@ -401,7 +411,7 @@ def _optimum_export(src: str, hf_src: str, dest: Path, workdir: Path, opts: Expo
 
 def _manifest(
     src: str, dest: Path, config: Any, gen: Any, tok: Any, tj: dict, opts: ExportOptions,
-    name: str, tokenizer: str | None, path: str,
+    name: str, tokenizer: str | None, path: str, stops: tuple[int, ...] = (),
 ) -> EngineManifest:
     import onnx
     import torch
@@ -417,6 +427,7 @@ def _manifest(
     logits_dims = [d.dim_value for d in next(o for o in model.graph.output if o.name == "logits")
                    .type.tensor_type.shape.dim]
     bos, add_bos, eos, pad = _special_tokens(tj, tok, config, gen)
+    eos = sorted(set(eos) | set(stops))
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_str(json.dumps(tj)).get_vocab_size(with_added_tokens=True)
@@ -462,6 +473,9 @@ def _manifest(
             "transformers": transformers.__version__,
             "torch": torch.__version__.split("+")[0],
             "onnx": onnx.__version__,
+            # where the engine's tokenizer.json came from (`inspect` shows it)
+            "tokenizer": f"--tokenizer {tokenizer}" if tokenizer else
+            "the GGUF file's metadata" if src.lower().endswith(".gguf") else "the model's own",
         },
         files=file_entries(dest),
     )

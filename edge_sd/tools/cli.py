@@ -499,6 +499,7 @@ def inspect(
         rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
                                        for m in manifests.values())])
         rows.append(["window views", *(_window_views(m.window_views) for m in manifests.values())])
+        rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
         rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
         from edge_sd.engines import prepared
 
