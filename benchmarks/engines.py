@@ -71,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from edge_sd.bench import engine_report
-    from edge_sd.bench.engines import EngineCase, EngineOptions, run
+    from edge_sd.bench.engine_timing import EngineCase, EngineOptions, run
     from edge_sd.bench.quality import quality
     from edge_sd.bench.run import machine
     from edge_sd.engines.ort import OrtEngine
@@ -105,7 +105,7 @@ def main() -> None:
         for label in MEMORY:
             print(f"{label}: memory over 2048 tokens", file=sys.stderr, flush=True)
             folder = folder_of(label, specs[label])
-            proc = subprocess.run([sys.executable, "-m", "edge_sd.bench.engines", "--memory", str(folder),
+            proc = subprocess.run([sys.executable, "-m", "edge_sd.bench.engine_timing", "--memory", str(folder),
                                    "-n", "2048", "--threads", str(args.threads)],
                                   capture_output=True, text=True, check=True)
             by_label[label]["memory"] = json.loads(proc.stdout.strip().splitlines()[-1])

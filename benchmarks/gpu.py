@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from edge_sd import GenerationConfig, Pipeline
-from edge_sd.bench import engines as engine_bench
+from edge_sd.bench import engine_timing as engine_bench
 from edge_sd.bench import report
 from edge_sd.bench.run import BenchOptions
 from edge_sd.bench.run import run as run_loop

@@ -43,7 +43,7 @@ SESSION_HEAD_START = 0.05
 
 
 _M = TypeVar("_M", bound="Model")  # load() of a subclass (Pipeline) returns that subclass
-_READING = threading.Lock()  # Side: tokenizer reads, one at a time
+_READING = threading.Lock()  # LoadedEngine: tokenizer reads, one at a time
 
 def _session(folder: Path, provider: str, threads: int | None, verify: bool, spin: str, drafter: bool,
              defer: bool = False) -> OrtSession:
@@ -57,8 +57,8 @@ def _head_in_parts(folder: Path) -> bool:
     return int(q.get("lm_head_parts", 1)) > 1
 
 
-class Side:
-    """One engine's session with its tokenizer.
+class LoadedEngine:
+    """An engine folder, loaded: its manifest, ONNX Runtime session and tokenizer (Vocab).
 
     A drafter runs every forward at its natural size: its forwards need not agree with each other,
     only with what it proposes, so it skips the target's `min_step_positions` re-feeding.
@@ -133,7 +133,7 @@ class Model:
         ...     print(gen.generate_next_tokens().text, end="")
     """
 
-    def __init__(self, target: Side, drafter: Side | None = None, maps: VocabMaps | None = None,
+    def __init__(self, target: LoadedEngine, drafter: LoadedEngine | None = None, maps: VocabMaps | None = None,
                  same_vocab: bool = False, notes: list[str] | None = None, folder: Path | None = None):
         self.target = target
         self.drafter = drafter
@@ -172,27 +172,27 @@ class Model:
             # ONNX Runtime repacks each quantized weight while it builds a session, holding a copy
             # beside the weight for a moment: a whole LM head's copy is the load's peak of memory. A
             # target whose head is in parts (export/logits.py) holds one part's, and its session is
-            # built while its tokenizer is read, as a single engine's is (Side). Another target's is
+            # built while its tokenizer is read, as a single engine's is (LoadedEngine). Another target's is
             # built first and alone. The drafter's session, unless deferred, is built outside
             # Python's lock while the tokenizers are read (which hold it, one after the other).
             from concurrent.futures import ThreadPoolExecutor
 
             if _head_in_parts(folder / pm.target):
-                target = Side(folder / pm.target, provider, threads, verify, spin="run")
-                drafter = Side(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
+                target = LoadedEngine(folder / pm.target, provider, threads, verify, spin="run")
+                drafter = LoadedEngine(folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
                                defer=defer_drafter)
                 return cls._pair(folder, pm, target, drafter)
             session = _session(folder / pm.target, provider, threads, verify, "run", drafter=False)
             with ThreadPoolExecutor(1) as pool:
-                loading = pool.submit(Side, folder / pm.drafter, provider, threads, verify, spin="run", drafter=True,
-                                      defer=defer_drafter)
-                target = Side(folder / pm.target, provider, threads, verify, spin="run", session=session)
+                loading = pool.submit(LoadedEngine, folder / pm.drafter, provider, threads, verify, spin="run",
+                                      drafter=True, defer=defer_drafter)
+                target = LoadedEngine(folder / pm.target, provider, threads, verify, spin="run", session=session)
                 drafter = loading.result()
             return cls._pair(folder, pm, target, drafter)
-        return cls(Side(folder, provider, threads, verify), folder=folder)
+        return cls(LoadedEngine(folder, provider, threads, verify), folder=folder)
 
     @classmethod
-    def _pair(cls: type[_M], folder: Path, pm: Any, target: Side, drafter: Side) -> _M:
+    def _pair(cls: type[_M], folder: Path, pm: Any, target: LoadedEngine, drafter: LoadedEngine) -> _M:
         maps, notes = _load_maps(folder, pm, target, drafter)
         model = cls(target, drafter, maps, same_vocabulary(target.vocab, drafter.vocab), notes, folder)
         model.disco = DiscoModel.load(folder)
@@ -301,7 +301,7 @@ class Model:
             self._schedules.setdefault(key, []).append(schedule)
 
 
-def _load_maps(folder: Path, pm: Any, target: Side, drafter: Side) -> tuple[VocabMaps, list[str]]:
+def _load_maps(folder: Path, pm: Any, target: LoadedEngine, drafter: LoadedEngine) -> tuple[VocabMaps, list[str]]:
     """Load the pair's vocabulary maps, rebuilding them (and saying so) when missing or stale."""
     notes: list[str] = []
     t_sha = sha256_file(folder / pm.target / target.manifest.tokenizer_file)

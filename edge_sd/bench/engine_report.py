@@ -1,4 +1,4 @@
-"""Tables, a plot and the README section of the engine benchmark (bench/engines.py)."""
+"""Tables, a plot and the README section of the engine benchmark (bench/engine_timing.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def markdown(results: dict, command: str, image_dir: str) -> str:
             "Quality and memory of each target precision: perplexity over the first 256 tokens of "
             f"{o.get('articles', 0)} Lee news articles, top-1 agreement with the fp32 builder engine at the "
             "same positions, greedy outputs (the plain-decoding runs above) equal to the fp32 engine's; memory "
-            "in a fresh process over a 2048-token greedy generation (`python -m edge_sd.bench.engines "
+            "in a fresh process over a 2048-token greedy generation (`python -m edge_sd.bench.engine_timing "
             "--memory`).",
             quality_table(results["cases"]),
         ]

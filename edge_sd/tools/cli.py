@@ -704,7 +704,7 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
     with _errors():
         _harness()
         from edge_sd.bench import engine_report
-        from edge_sd.bench.engines import EngineCase, EngineOptions, run
+        from edge_sd.bench.engine_timing import EngineCase, EngineOptions, run
         from edge_sd.bench.run import machine
         from edge_sd.manifest import export_kind, load_pair_manifest
         from edge_sd.tools import prompt_sets as prompts

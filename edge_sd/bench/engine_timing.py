@@ -93,7 +93,8 @@ class GenaiRunner:
         import sys
 
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_sd.bench.engines", "--genai-worker", str(folder), "--threads", str(threads)],
+            [sys.executable, "-m", "edge_sd.bench.engine_timing", "--genai-worker", str(folder), "--threads",
+             str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self._proc.stdout.readline() if self._proc.stdout else ""
         if not ready.startswith("ready"):
@@ -259,7 +260,7 @@ def rss_bytes() -> int:
 
 def memory_profile(folder: Path, n: int, threads: int, checkpoints: tuple[int, ...] = (256, 512, 1024)) -> dict:
     """Resident memory while one engine decodes n tokens greedily (EOS ignored): after loading, then at
-    checkpoints. Run it in a fresh process (`python -m edge_sd.bench.engines --memory`): a process that
+    checkpoints. Run it in a fresh process (`python -m edge_sd.bench.engine_timing --memory`): a process that
     loaded other models keeps their memory."""
     before = rss_bytes()
     engine = OrtEngine(folder, provider="cpu", threads=threads)
