@@ -28,6 +28,7 @@ import numpy as np
 from edge_sd import text_input
 from edge_sd.algorithms import menu
 from edge_sd.algorithms.base import Proposer
+from edge_sd.algorithms.chain import ChainProposer
 from edge_sd.algorithms.lookup import LookupProposer
 from edge_sd.chat import Conversation
 from edge_sd.config import GenerationConfig, GenerationResult
@@ -246,7 +247,9 @@ class Generator:
         self.stats = Stats(algorithm=self.algorithm, lookahead=k if proposers else 0)
         stream = TextStream(model.target.vocab, cfg.max_new_tokens, tuple(s.encode("utf-8") for s in cfg.stop),
                             cfg.include_stop)
-        readers = [p for p in proposers.values() if isinstance(p, LookupProposer)]
+        # Prompt lookup reads the committed ids: the menu's lookup, and the one a chain drafts with.
+        lookups = [p.lookup if isinstance(p, ChainProposer) else p for p in proposers.values()]
+        readers = list({id(p): p for p in lookups if isinstance(p, LookupProposer)}.values())
         self._decoder = Decoder(self.target, self.sampling, self.rng, schedule, state, self.ids, stream, self.stats,
                                 readers)
         self.state = READY
