@@ -76,6 +76,7 @@ class Metadata:
     eot: int | None
     add_bos: bool | None
     add_space_prefix: bool
+    path: Path  # the file, for messages
 
 
 def read(path: Path) -> Metadata:
@@ -115,13 +116,15 @@ def read(path: Path) -> Metadata:
         scores=[float(s) for s in scores], merges=get("merges", [], many=True), bos=get("bos_token_id"),
         eos=get("eos_token_id"), unk=get("unknown_token_id"), eot=get("eot_token_id"),
         add_bos=None if add_bos is None else bool(add_bos), add_space_prefix=bool(get("add_space_prefix", True)),
+        path=Path(path),
     )
 
 
-def tokenizer_json(path: Path) -> dict:
+def tokenizer_json(source: Path | Metadata) -> dict:
     """The file's tokenizer as a tokenizer.json (a dict), with BOS in its post-processor where
     llama.cpp puts one in front of a prompt."""
-    meta = read(path)
+    meta = source if isinstance(source, Metadata) else read(source)
+    path = meta.path
     if meta.model == "llama":
         tok, add_bos = _sentencepiece(meta), True
     elif meta.model == "gpt2":
@@ -145,9 +148,9 @@ def tokenizer_json(path: Path) -> dict:
     return tj
 
 
-def stop_ids(path: Path) -> list[int]:
+def stop_ids(source: Path | Metadata) -> list[int]:
     """The ids llama.cpp ends a generation at: EOS, EOT and its end-of-generation control tokens."""
-    meta = read(path)
+    meta = source if isinstance(source, Metadata) else read(source)
     ids = {i for i in (meta.eos, meta.eot) if i is not None}
     ids |= {i for i, t in enumerate(meta.tokens) if meta.types[i] == CONTROL and t in END_OF_GENERATION}
     return sorted(ids)
@@ -193,7 +196,7 @@ def _byte_level(meta: Metadata, pre: Pre) -> Any:
     for m in meta.merges:
         left, sep, right = m.partition(" ")
         if not sep:
-            raise ExportError(f"merge {m!r} of tokenizer.ggml.merges is not two tokens")
+            raise ExportError(f"{meta.path}: merge {m!r} of tokenizer.ggml.merges is not two tokens")
         merges.append((left, right))
     model = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges, fuse_unk=False)
     tok = Tokenizer(model)

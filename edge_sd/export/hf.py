@@ -270,8 +270,9 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
 
         with step(f"tokenizer from {Path(src).name}'s metadata"):
             own = workdir / TOKENIZER_FILE
-            own.write_text(json.dumps(gguf_tokenizer.tokenizer_json(Path(src))), encoding="utf-8")
-            stops = tuple(gguf_tokenizer.stop_ids(Path(src)))
+            meta = gguf_tokenizer.read(Path(src))  # read once: 262k tokens take seconds to parse
+            own.write_text(json.dumps(gguf_tokenizer.tokenizer_json(meta)), encoding="utf-8")
+            stops = tuple(gguf_tokenizer.stop_ids(meta))
         tj = _tokenizer_json(None, str(own), dest)
     else:
         tj = _tokenizer_json(tok, tokenizer, dest)
