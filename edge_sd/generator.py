@@ -35,13 +35,7 @@ from edge_sd.config import GenerationConfig, GenerationResult
 from edge_sd.decoder import Decoder, Emitted
 from edge_sd.errors import ContextLimitError, UsageError
 from edge_sd.schedules import Schedule
-from edge_sd.schedules.choose import (  # noqa: F401  (the defaults, where apps found them)
-    DEFAULT_LOOKAHEAD,
-    DEFAULT_MAX_LOOKAHEAD,
-    DEFAULT_MAX_LOOKUP,
-    choose,
-    cost_schedule_of,
-)
+from edge_sd.schedules.choose import choose, cost_schedule_of
 from edge_sd.schedules.cost import CostSchedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
