@@ -29,7 +29,7 @@ fi
 TARGET_PRECISION=${EDGE_SD_TARGET_PRECISION:-gguf}
 DRAFTER_PRECISION=${EDGE_SD_DRAFTER_PRECISION:-int4}
 # What the folder was exported with; a change (here or in the exporter's recipe) exports again.
-RECIPE="exporter=builder-0.15.2 target=$TARGET_PRECISION drafter=$DRAFTER_PRECISION format=2 steps=1-previous-row logits=keep gguf=1 head=1 zero=shift lm_head=parts fuse=gate-up window=views drafter_tokenizer=gguf"
+RECIPE="exporter=builder-0.15.2 target=$TARGET_PRECISION drafter=$DRAFTER_PRECISION format=2 steps=1-previous-row logits=keep gguf=1 head=1 zero=shift lm_head=parts fuse=gate-up window=views tokenizers=gguf chat=builtin"
 # One export serves every folder that asks for the pair: it is made once in the cache and copied
 # (hard links where the filesystem allows) to OUT, so that scripts/test.sh after scripts/real_pair.sh
 # (or the other way round) exports nothing again.
@@ -42,7 +42,7 @@ if ! fresh "$OUT"; then
   if ! fresh "$CANON"; then
     echo "==> exporting the pair to $CANON (about 5 minutes on 2 cores)"
     "$(dirname "$PY")/edge-sd" export --force \
-      -t "$CACHE/real/gemma-3-270m-q4_k_m.gguf" --tokenizer "$CACHE/tokenizers/gemma3/tokenizer.json" \
+      -t "$CACHE/real/gemma-3-270m-q4_k_m.gguf" \
       -d "$CACHE/real/SmolLM2-135M-Instruct.Q4_1.gguf" \
       --precision "$TARGET_PRECISION" --drafter-precision "$DRAFTER_PRECISION" -o "$CANON"
     echo "$RECIPE" > "$CANON/.recipe"

@@ -153,9 +153,15 @@ def test_export_cli_end_to_end_and_force(tiny_root: Path, tmp_path: Path) -> Non
     r = CliRunner().invoke(app, args)
     assert r.exit_code != 0 and "--force" in r.output
     stamp = (out / "pair.json").stat().st_mtime_ns
-    r = CliRunner().invoke(app, args + ["--force"])
+    r = CliRunner().invoke(app, args + ["--force", "--chat-template", "chatml"])
     assert r.exit_code == 0, r.output
     assert (out / "pair.json").stat().st_mtime_ns != stamp
+    from edge_sd.export.chat_templates import CHATML
+    from edge_sd.manifest import load_engine_manifest
+
+    target, drafter = (load_engine_manifest(out / role) for role in ("target", "drafter"))
+    assert (target.chat_template, target.exporter["chat_template"]) == (CHATML, "--chat-template chatml")
+    assert drafter.chat_template != CHATML  # the option is the target's
     assert [p.name for p in tmp_path.iterdir()] == ["pair"]  # no temporary folder left beside it, nor the killed one's
 
 

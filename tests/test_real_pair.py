@@ -74,7 +74,11 @@ def references(pipe):
 
 def test_manifests(pipe) -> None:
     t, d = pipe.target.manifest, pipe.drafter.manifest
-    assert (t.precision, t.vocab_size, t.logits_width) == ("gguf", 262145, 262144)
+    assert (t.precision, t.vocab_size, t.logits_width) == ("gguf", 262144, 262144)
+    # both from their GGUF files alone; Gemma's file has no chat template, its markers name Gemma's format
+    assert [m.exporter["tokenizer"] for m in (t, d)] == ["the GGUF file's metadata"] * 2
+    assert t.exporter["chat_template"].startswith("built-in gemma")
+    assert d.exporter["chat_template"] == "the GGUF file's metadata"
     q = t.quantization
     assert q["float_matmuls"] == 0 and q["embedding"] == "GatherBlockQuantized, shared with the LM head"
     assert set(q["weights_by_type"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}

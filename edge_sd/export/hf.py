@@ -18,6 +18,7 @@ from typing import Any
 from edge_sd import __version__
 from edge_sd.engines.providers import available_providers
 from edge_sd.errors import ExportError, UsageError
+from edge_sd.export import chat_templates
 from edge_sd.export.logits import add_logits_to_keep, float32_logits, split_lm_head
 from edge_sd.layout import TOKENIZER_FILE
 from edge_sd.manifest import (
@@ -55,6 +56,7 @@ class ExportOptions:
     # shared KV buffer per layer), optimum's generic export for the rest.
     exporter: str = "auto"
     device: str = "cpu"  # what the builder's graph is made for: cpu, or cuda (fp16 / int4)
+    chat_template: str | None = None  # a built-in name or a jinja2 file (export/chat_templates.py)
 
     def check(self, src: str) -> None:
         """Refuse impossible values for `src` before anything is read or downloaded."""
@@ -65,6 +67,7 @@ class ExportOptions:
             raise UsageError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.max_context is not None and self.max_context < 1:
             raise UsageError(f"--max-context must be a positive number of positions, got {self.max_context}")
+        chat_templates.check(self.chat_template)
 
 
 def resolve_precision(precision: str, src: str) -> str:
@@ -190,7 +193,28 @@ def _special_tokens(tj: dict, tok: Any, config: Any, gen: Any) -> tuple[int | No
     return bos, add_bos, sorted(set(eos)), pad if isinstance(pad, int) else None
 
 
-def _chat_template(tok: Any, override: str | None) -> str | None:
+def chat_template(src: str, tok: Any, tokenizer: str | None, tj: dict, option: str | None) -> tuple[str | None, str]:
+    """The engine's chat template and where it came from: `--chat-template`, the tokenizer_config.json
+    beside `--tokenizer`, the model's own tokenizer, the GGUF file's metadata, or else the built-in
+    format whose turn markers the vocabulary holds (`inspect` shows which)."""
+    from tokenizers import Tokenizer
+
+    if option:
+        return chat_templates.from_option(option), f"--chat-template {option}"
+    own = _tokenizer_chat_template(tok, tokenizer)
+    if own:
+        return own, "tokenizer_config.json beside --tokenizer" if tokenizer else "the model's tokenizer"
+    in_file = _gguf_chat_template(src)
+    if in_file:
+        return in_file, "the GGUF file's metadata"
+    t = Tokenizer.from_str(json.dumps(tj))
+    name = chat_templates.guess(lambda token: t.token_to_id(token) is not None)
+    if name:
+        return chat_templates.BUILTIN[name][0], f"built-in {name} (the source has none; its vocabulary has its markers)"
+    return None, "none (chat needs --chat-template at export)"
+
+
+def _tokenizer_chat_template(tok: Any, override: str | None) -> str | None:
     if override:
         cfg = Path(override)
         cfg = (cfg if cfg.is_dir() else cfg.parent) / "tokenizer_config.json"
@@ -284,7 +308,11 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
     # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
     fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
                 and opts.precision in SUPPORTED_PRECISIONS["optimum"])
-    job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer, stops)
+    chat = chat_template(src, tok, tokenizer, tj, opts.chat_template)
+    with step(f"chat template: {chat[1]}"):
+        pass
+    job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer, chat,
+               stops)
     try:
         return _export_path(job, path)
     except ExportError as e:
@@ -314,6 +342,7 @@ class _Job:
     tj: dict
     name: str
     tokenizer: str | None
+    chat: tuple[str | None, str]  # the chat template and where it came from
     stops: tuple[int, ...] = ()  # a GGUF file's own end-of-generation ids, where its tokenizer is used
 
 
@@ -363,7 +392,7 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
             with step("sliding-window layers over a view of their cache"):
                 pasts, window = window_views(dest / "model.onnx")
     manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path,
-                         job.stops)
+                         job.chat, job.stops)
     views: dict = {}
     if previous_row and pasts:
         layer_of = {manifest.past_key_template.format(i=i): i for i in range(manifest.num_layers)}
@@ -412,7 +441,7 @@ def _optimum_export(src: str, hf_src: str, dest: Path, workdir: Path, opts: Expo
 
 def _manifest(
     src: str, dest: Path, config: Any, gen: Any, tok: Any, tj: dict, opts: ExportOptions,
-    name: str, tokenizer: str | None, path: str, stops: tuple[int, ...] = (),
+    name: str, tokenizer: str | None, path: str, chat: tuple[str | None, str], stops: tuple[int, ...] = (),
 ) -> EngineManifest:
     import onnx
     import torch
@@ -463,7 +492,7 @@ def _manifest(
         tokenizer_file=TOKENIZER_FILE,
         input_names=list(inputs),
         output_names=outputs,
-        chat_template=_chat_template(tok, tokenizer) or _gguf_chat_template(src),
+        chat_template=chat[0],
         source=src,
         kv_layout="shared" if path == "builder" else "concat",
         export_path=path,
@@ -477,6 +506,7 @@ def _manifest(
             # where the engine's tokenizer.json came from (`inspect` shows it)
             "tokenizer": f"--tokenizer {tokenizer}" if tokenizer else
             "the GGUF file's metadata" if src.lower().endswith(".gguf") else "the model's own",
+            "chat_template": chat[1],
         },
         files=file_entries(dest),
     )

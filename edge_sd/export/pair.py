@@ -36,12 +36,14 @@ def export(
 ) -> dict:
     """Export into `out`; returns what the CLI summarises. Nothing is left behind on failure.
 
-    `drafter_opts` (default: `opts`) lets the drafter take another precision than the target.
+    `drafter_opts` (default: `opts` without its chat template) lets the drafter take another precision
+    than the target.
     `vocab_keep`: prune the drafter's LM head to this fraction of its vocabulary, ranked on `corpus`
     (files, one domain each; default: a corpus fetched from the registries into `cache`), and build
     RDK's kernel (`edge_sd.export.prune`).
     """
     summary: dict = {"out": str(out), "engines": {}}
+    drafter_opts = drafter_opts or replace(opts, chat_template=None)
     check(target, drafter, opts, drafter_opts, tokenizer, drafter_tokenizer, vocab_keep)
     with atomic_folder(out, force=force) as tmp:
         if drafter is None:
@@ -51,7 +53,7 @@ def export(
         engines: dict[str, EngineManifest] = {}
         sides = (
             ("target", target, tokenizer, opts),
-            ("drafter", drafter, drafter_tokenizer, replace(drafter_opts or opts, drafter=True)),
+            ("drafter", drafter, drafter_tokenizer, replace(drafter_opts, drafter=True)),
         )
         for role, src, tok, role_opts in sides:
             where = tmp / (TARGET_DIR if role == "target" else DRAFTER_DIR)

@@ -125,6 +125,10 @@ def export(
     out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Artifact folder \\[engines/<names>]."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for the target."),
     drafter_tokenizer: Optional[str] = typer.Option(None, "--drafter-tokenizer", help="... for the drafter."),
+    chat_template: Optional[str] = typer.Option(
+        None, "--chat-template", help="The target's chat template: gemma | chatml | llama3 or a jinja2 file "
+        "\\[the model's own; for a source with none, the built-in format whose turn markers its vocabulary has]."),
+    drafter_chat_template: Optional[str] = typer.Option(None, "--drafter-chat-template", help="... the drafter's."),
     precision: str = typer.Option(
         "auto", "--precision", help="auto | gguf | fp32 | fp16 | int8 | int4. gguf: a GGUF file's own quantized "
         "weights, exactly (auto for GGUF sources; fp32 for the rest)."),
@@ -152,7 +156,7 @@ def export(
 
     Examples:
 
-      edge-sd export -t ./gemma-3-270m-q4_k_m.gguf --tokenizer gemma3/tokenizer.json
+      edge-sd export -t ./gemma-3-270m-q4_k_m.gguf -d ./SmolLM2-135M-Instruct.Q4_1.gguf -o engines/pair
 
       edge-sd export -t google/gemma-3-270m -d HuggingFaceTB/SmolLM2-135M-Instruct -o engines/pair
 
@@ -176,10 +180,12 @@ def export(
 
         dest = out_dir or default_out(target, drafter)
         opts = ExportOptions(precision=precision, max_context=max_context, validate=not no_validate,
-                             exporter=exporter, device=device)
-        drafter_opts = replace(opts, precision=drafter_precision) if drafter_precision else opts
-        if drafter_precision and drafter is None:
-            raise UsageError("--drafter-precision sets the drafter's: give one with --drafter")
+                             exporter=exporter, device=device, chat_template=chat_template)
+        drafter_opts = replace(opts, precision=drafter_precision or precision, chat_template=drafter_chat_template)
+        for given, option in ((drafter_precision, "--drafter-precision"),
+                              (drafter_chat_template, "--drafter-chat-template")):
+            if given and drafter is None:
+                raise UsageError(f"{option} sets the drafter's: give one with --drafter")
         check(target, drafter, opts, drafter_opts, tokenizer, drafter_tokenizer, vocab_keep)
         # started at the first step, so that an export refused before any leaves its error alone on stderr
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err)
@@ -500,6 +506,8 @@ def inspect(
                                        for m in manifests.values())])
         rows.append(["window views", *(_window_views(m.window_views) for m in manifests.values())])
         rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
+        rows.append(["chat template from", *(m.exporter.get("chat_template", "not recorded")
+                                             for m in manifests.values())])
         rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
         from edge_sd.engines import prepared
 
