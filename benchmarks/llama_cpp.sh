@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's command-line tools (llama-bench, llama-completion, llama-speculative-simple,
-# llama-perplexity, llama-tokenize) from the sources vendored in the llama-cpp-python sdist on PyPI, for the side-by-side
-# benchmarks (benchmarks/llama_cpp.py) and the tokenizer check (benchmarks/gguf_tokenizer.py). Optional: never part of the set-up or the tests. About 10
-# minutes on 2 cores; a second run reuses the build.
+# llama-perplexity, llama-tokenize, llama-quantize) from the sources vendored in the llama-cpp-python
+# sdist on PyPI, for the side-by-side benchmarks (benchmarks/llama_cpp.py), the tokenizer check
+# (benchmarks/gguf_tokenizer.py) and the GGUF comparison (benchmarks/gguf_architectures.py).
+# Optional: never part of the set-up or the tests. About 10 minutes on 2 cores; a second run reuses
+# the build.
 #
 #   bash benchmarks/llama_cpp.sh            # prints the folder holding the binaries
 #
@@ -11,7 +13,7 @@ set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${EDGE_SD_CACHE:-$HOME/.cache/edge-sd}
 ROOT="$CACHE/llama.cpp/$VERSION"
-TOOLS="llama-bench llama-completion llama-speculative-simple llama-perplexity llama-tokenize"
+TOOLS="llama-bench llama-completion llama-speculative-simple llama-perplexity llama-tokenize llama-quantize"
 # Native code, less AMX: virtual machines can list AMX among the CPU's features while its tile
 # instructions trap (seen on a Sapphire Rapids VM: llama.cpp died with SIGILL at its first matmul).
 FLAGS=(-DGGML_NATIVE=ON)
@@ -20,6 +22,7 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
   FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
 fi
 if [ -x "$ROOT/build/bin/llama-speculative-simple" ] && [ -x "$ROOT/build/bin/llama-tokenize" ] \
+    && [ -x "$ROOT/build/bin/llama-quantize" ] \
     && [ "$(cat "$ROOT/build/.flags" 2>/dev/null)" = "${FLAGS[*]}" ]; then
   echo "$ROOT/build/bin"
   exit 0

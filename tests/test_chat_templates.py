@@ -76,12 +76,12 @@ def test_gemma_roles_must_alternate() -> None:
                                                ("gpt4o", None)])
 def test_a_source_without_a_template_gets_the_format_of_its_markers(package: str, expected: str | None) -> None:
     tj = json.loads((family(package) / "tokenizer.json").read_text(encoding="utf-8"))
-    template, origin = chat_template("folder", None, None, tj, None)
+    template, origin = chat_template(None, None, tj, None)
     if expected is None:  # GPT-4o's vocabulary has no turn markers of these formats
         assert template is None and origin.startswith("none")
     else:
         assert template == chat_templates.BUILTIN[expected][0] and origin.startswith(f"built-in {expected}")
-    template, origin = chat_template("folder", None, None, tj, "chatml")  # the option wins
+    template, origin = chat_template(None, None, tj, "chatml")  # the option wins
     assert template == chat_templates.CHATML and origin == "--chat-template chatml"
 
 
@@ -89,7 +89,7 @@ def test_a_template_file_is_read(tmp_path: Path) -> None:
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
     tj = json.loads(Tokenizer.from_file(str(family("gpt4o") / "tokenizer.json")).to_str())
-    assert chat_template("folder", None, None, tj, str(f)) == (f.read_text(), f"--chat-template {f}")
+    assert chat_template(None, None, tj, str(f)) == (f.read_text(), f"--chat-template {f}")
     with pytest.raises(UsageError, match="--chat-template nope"):
         chat_templates.check("nope")
 

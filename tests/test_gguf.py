@@ -242,3 +242,23 @@ def test_a_type_that_cannot_be_carried_is_refused_by_name(gguf_root: Path, tmp_p
     (tmp_path / "b").mkdir()
     m = export_engine(str(path), tmp_path / "b", ExportOptions(precision="fp32"), tokenizer=tok)
     assert m.precision == "fp32" and m.validation["top1_agreement_vs_torch"] == 1.0
+
+
+def test_an_architecture_transformers_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
+    """One line naming the file and its architecture, before any work; no output folder."""
+    import gguf
+    from typer.testing import CliRunner
+
+    from edge_sd.tools.cli import app
+
+    path = tmp_path / "made-up.gguf"
+    writer = gguf.GGUFWriter(str(path), "made-up")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    r = CliRunner().invoke(app, ["export", "-t", str(path), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert f"{path}: architecture 'made-up'" in r.stderr.replace("\n", "") and "qwen3" in r.stderr
+    assert not (tmp_path / "out").exists()

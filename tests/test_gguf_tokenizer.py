@@ -61,6 +61,17 @@ def test_what_cannot_be_reproduced_is_refused_by_name(tokenized_gguf: Path, gguf
         with pytest.raises(UsageError, match=words) as e:
             gguf_tokenizer.tokenizer_json(tokenized_gguf)
         assert "--tokenizer" in str(e.value)
+    # SentencePiece pieces all of one score (llama.cpp's converter on a tokenizer.json-only Llama): it
+    # merges leftmost first there; the same pieces ranked by score are accepted
+    tied, ranked = [-1000.0] * len(meta.tokens), [-float(i) for i in range(len(meta.tokens))]
+    for scores, refused in ((tied, True), (ranked, False)):
+        monkeypatch.setattr(gguf_tokenizer, "read", lambda path, s=scores: type(meta)(
+            **{**meta.__dict__, "model": "llama", "scores": s}))
+        if refused:
+            with pytest.raises(UsageError, match="share scores.*--tokenizer"):
+                gguf_tokenizer.tokenizer_json(tokenized_gguf)
+        else:
+            gguf_tokenizer.tokenizer_json(tokenized_gguf)
     monkeypatch.undo()
     bare = tiny.write_gguf(gguf_root / "hf_llama", tmp_path / "bare.gguf", LLAMA_TYPES)  # no tokenizer in it
     with pytest.raises(UsageError, match="no tokenizer"):

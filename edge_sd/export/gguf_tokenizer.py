@@ -54,6 +54,7 @@ PRE: dict[str, Pre] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"),
                     Pre((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), Pre((QWEN2_REGEX,))),
+    "smaug-bpe": Pre((LLAMA3_REGEX,)),  # Llama 3's split, without its whole-word rule or BOS
 }
 # Control tokens llama.cpp ends a generation at besides EOS (its end-of-generation list), by text.
 END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
@@ -79,15 +80,30 @@ class Metadata:
     path: Path  # the file, for messages
 
 
-def read(path: Path) -> Metadata:
-    """The tokenizer fields of a GGUF file (ExportError naming the file and the field where one is
-    missing or of the wrong kind)."""
+def read_fields(path: Path) -> dict[str, Any]:
+    """A GGUF file's metadata fields (the gguf package's ReaderFields), or an ExportError naming the file.
+    Gemma's 262k tokens take seconds to parse: an export reads them once."""
     from gguf import GGUFReader
 
     try:
-        fields = GGUFReader(str(path)).fields
+        return dict(GGUFReader(str(path)).fields)
     except Exception as e:  # the gguf package raises what numpy or struct raise on a damaged file
         raise ExportError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def scalar(fields: dict[str, Any], name: str) -> Any:
+    """One number or string of the metadata, or None."""
+    field = fields.get(name)
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode("utf-8", errors="replace") if field.types[-1].name == "STRING" else value.tolist()[0]
+
+
+def read(path: Path, fields: dict[str, Any] | None = None) -> Metadata:
+    """The tokenizer fields of a GGUF file (ExportError naming the file and the field where one is
+    missing or of the wrong kind); `fields`: read_fields(path), where the caller has them already."""
+    fields = read_fields(path) if fields is None else fields
 
     def get(name: str, default: Any = None, many: bool = False) -> Any:
         field = fields.get(f"tokenizer.ggml.{name}")
@@ -162,6 +178,14 @@ def _sentencepiece(meta: Metadata) -> Any:
     # User-defined pieces stay as the file writes them (spaces as spaces): they are matched in the raw
     # text before the model sees it (_added_tokens), never merged from "▁" pieces.
     pieces = meta.tokens
+    # The pieces' scores rank the merges. llama.cpp's converter writes one score for every piece of a
+    # model that has a tokenizer.json but no tokenizer.model; llama.cpp then merges the leftmost pair
+    # first, an order that no ranking of merges gives.
+    ranked = [s for s, t, p in zip(meta.scores, meta.types, pieces, strict=True) if t == NORMAL and len(p) > 1]
+    if len(set(ranked)) < len(ranked):
+        raise UsageError(f"{meta.path}: its SentencePiece pieces share scores ({len(ranked) - len(set(ranked))} of "
+                         f"{len(ranked)} repeat one), so llama.cpp merges them leftmost first, which edge-sd does "
+                         "not reproduce exactly; pass --tokenizer tokenizer.json")
     vocab: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         vocab.setdefault(piece, i)

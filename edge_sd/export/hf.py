@@ -103,23 +103,37 @@ def _quiet() -> None:
     hf_logging.set_verbosity_error()
 
 
-def resolve_source(src: str, workdir: Path, step: Step) -> tuple[str, Any]:
+def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] | None = None) -> tuple[str, Any]:
     """Return (a path or id that `from_pretrained` reads, the HF tokenizer or None).
 
-    A GGUF file is dequantized through transformers into an HF folder under `workdir`; the export
-    and the validation subprocess then read that folder instead of parsing the GGUF twice.
+    A GGUF file (`fields`: its metadata, gguf_tokenizer.read_fields) is dequantized through
+    transformers into an HF folder under `workdir`; the export and the validation subprocess then read
+    that folder instead of parsing the GGUF twice.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(src)
     if src.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise UsageError(f"GGUF file {src} not found")
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        from edge_sd.export.gguf_tokenizer import scalar
+
+        fields = fields or {}
+        arch = scalar(fields, "general.architecture")
+        if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+            raise UsageError(f"{src}: architecture {arch!r} is not one transformers reads from GGUF (it reads "
+                             f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); export its Hugging Face folder")
         hf_dir = workdir / "hf"
         with step(f"load {path.name} (GGUF, dequantized to fp32)"):
             try:
+                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+                # transformers takes some architectures' head size from its defaults (Qwen3's 128),
+                # not from the file
+                head_dim = scalar(fields, f"{arch}.attention.key_length")
+                if head_dim and getattr(config, "head_dim", head_dim) != head_dim:
+                    config.head_dim = int(head_dim)
                 model = AutoModelForCausalLM.from_pretrained(
-                    str(path.parent), gguf_file=path.name, dtype="float32"
+                    str(path.parent), gguf_file=path.name, config=config, dtype="float32"
                 )
             except Exception as e:
                 raise ExportError(f"could not load GGUF {src}: {_short(e)}") from None
@@ -193,18 +207,21 @@ def _special_tokens(tj: dict, tok: Any, config: Any, gen: Any) -> tuple[int | No
     return bos, add_bos, sorted(set(eos)), pad if isinstance(pad, int) else None
 
 
-def chat_template(src: str, tok: Any, tokenizer: str | None, tj: dict, option: str | None) -> tuple[str | None, str]:
+def chat_template(tok: Any, tokenizer: str | None, tj: dict, option: str | None,
+                  fields: dict[str, Any] | None = None) -> tuple[str | None, str]:
     """The engine's chat template and where it came from: `--chat-template`, the tokenizer_config.json
-    beside `--tokenizer`, the model's own tokenizer, the GGUF file's metadata, or else the built-in
-    format whose turn markers the vocabulary holds (`inspect` shows which)."""
+    beside `--tokenizer`, the model's own tokenizer, a GGUF file's metadata (`fields`), or else the
+    built-in format whose turn markers the vocabulary holds (`inspect` shows which)."""
     from tokenizers import Tokenizer
+
+    from edge_sd.export.gguf_tokenizer import scalar
 
     if option:
         return chat_templates.from_option(option), f"--chat-template {option}"
     own = _tokenizer_chat_template(tok, tokenizer)
     if own:
         return own, "tokenizer_config.json beside --tokenizer" if tokenizer else "the model's tokenizer"
-    in_file = _gguf_chat_template(src)
+    in_file = scalar(fields or {}, "tokenizer.chat_template")
     if in_file:
         return in_file, "the GGUF file's metadata"
     t = Tokenizer.from_str(json.dumps(tj))
@@ -224,18 +241,6 @@ def _tokenizer_chat_template(tok: Any, override: str | None) -> str | None:
                 return template
     template = getattr(tok, "chat_template", None) if tok is not None else None
     return template if isinstance(template, str) else None
-
-
-def _gguf_chat_template(src: str) -> str | None:
-    """The chat template a GGUF file carries in its metadata (`tokenizer.chat_template`), if any."""
-    if not src.lower().endswith(".gguf"):
-        return None
-    from gguf import GGUFReader
-
-    field = GGUFReader(src).fields.get("tokenizer.chat_template")
-    if field is None or not field.data:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
 
 
 def choose_exporter(requested: str, config: Any, hf_src: str) -> str:
@@ -277,7 +282,14 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
                       workdir: Path) -> EngineManifest:
     from transformers import AutoConfig, GenerationConfig
 
-    hf_src, tok = resolve_source(src, workdir, step)
+    fields = None
+    if src.lower().endswith(".gguf"):
+        from edge_sd.export import gguf_tokenizer
+
+        if not Path(src).is_file():
+            raise UsageError(f"GGUF file {src} not found")
+        fields = gguf_tokenizer.read_fields(Path(src))  # once: 262k tokens take seconds to parse
+    hf_src, tok = resolve_source(src, workdir, step, fields)
     try:
         config = AutoConfig.from_pretrained(hf_src)
     except Exception as e:
@@ -294,7 +306,7 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
 
         with step(f"tokenizer from {Path(src).name}'s metadata"):
             own = workdir / TOKENIZER_FILE
-            meta = gguf_tokenizer.read(Path(src))  # read once: 262k tokens take seconds to parse
+            meta = gguf_tokenizer.read(Path(src), fields)
             own.write_text(json.dumps(gguf_tokenizer.tokenizer_json(meta)), encoding="utf-8")
             stops = tuple(gguf_tokenizer.stop_ids(meta))
         tj = _tokenizer_json(None, str(own), dest)
@@ -308,7 +320,7 @@ def _export_engine_in(src: str, dest: Path, opts: ExportOptions, tokenizer: str 
     # it accepts but builds wrongly or unrunnably), when optimum can make this precision.
     fallback = (opts.exporter == "auto" and path == "builder" and opts.device == "cpu"
                 and opts.precision in SUPPORTED_PRECISIONS["optimum"])
-    chat = chat_template(src, tok, tokenizer, tj, opts.chat_template)
+    chat = chat_template(tok, tokenizer, tj, opts.chat_template, fields)
     with step(f"chat template: {chat[1]}"):
         pass
     job = _Job(src, hf_src, dest, workdir, opts, step, config, gen, tok, tj, name or source_name(src), tokenizer, chat,

@@ -1,0 +1,312 @@
+"""GGUF files of each architecture and block type, made by llama.cpp's own tools, exported by edge-sd
+and compared with llama.cpp on the same file: token ids, next-token logits, greedy continuations.
+
+For each architecture a small model (random weights, the dimensions llama.cpp's K-quants need) is
+written with a real tokenizer (the npm tokenizer packages the set-up installs), converted to GGUF by
+the `convert_hf_to_gguf.py` llama.cpp vendors, quantized to each block type by `llama-quantize`, and
+exported with `edge-sd export` from the file alone. Then, on the same file:
+
+- tokens: edge-sd's ids of varied texts against `llama-tokenize`'s;
+- logits: every prompt position's next-token logits against llama.cpp's (benchmarks/llama_logits.cpp,
+  the same ids fed to both): top-1 agreement, the largest difference, and near-ties (positions whose
+  two best logits are closer than that difference, where a flip says nothing of either side);
+- greedy: 16 tokens after each prompt, equal or not.
+
+Not part of the set-up or the tests (they check the same export against the `gguf` package's own
+dequantization on files they write). Needs benchmarks/llama_cpp.sh's build and `sentencepiece`.
+
+    .venv/bin/python benchmarks/gguf_architectures.py [--arch llama,qwen3] [--types Q4_K,Q8_0]
+
+Writes benchmarks/results/gguf_architectures.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from edge_sd.tools.paths import cache_dir  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M",
+         "Q6_K", "IQ4_NL"]
+GEMMA3_LAYERS = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "num_hidden_layers": 6,
+                 "sliding_window": 32, "query_pre_attn_scalar": 64}
+# architecture -> (transformers config class, its extra fields, tokenizer package under the cache,
+# where its SentencePiece model comes from: models converted from one get a tokenizer.model)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}, "tokenizers/llama3", None),
+    "mistral": ("MistralConfig", {"sliding_window": None}, "tokenizers/llama2", "merges"),
+    "qwen2": ("Qwen2Config", {}, "tokenizers/qwen3", None),
+    "qwen3": ("Qwen3Config", {}, "tokenizers/qwen3", None),  # head size 64: not the 128 transformers assumes
+    "gemma": ("GemmaConfig", {}, "tokenizers/gemma3", "gemma"),
+    "gemma2": ("Gemma2Config", {"sliding_window": 32, "query_pre_attn_scalar": 64}, "tokenizers/gemma3", "gemma"),
+    "gemma3": ("Gemma3TextConfig", GEMMA3_LAYERS, "tokenizers/gemma3", "gemma"),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}, "tokenizers/llama2", "merges"),
+}
+REAL_GEMMA = "real/gemma-3-270m-q4_k_m.gguf"
+# K-quants need rows of 256 weights; heads of 64 suit ONNX Runtime's attention and llama.cpp's.
+DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.1)
+TEXTS = ["Once upon a time", "a  b\n\n\nc    d\t\te", "def f(x):\n    return x ** 2  # square\n",
+         "Prices rose 12.5% in 2024, to $1,234.56.", "emoji 😀🎉 and CJK 漢字かな 한국어", "  leading spaces",
+         "I'm sure they'll've done it", "über naïve café 12345678901234567890"]
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+           "In 1969, the first humans landed on", "Liste des courses : pommes, poires,"]
+N_GEN = 16
+
+
+def tools() -> Path:
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp.sh")], check=True, capture_output=True,
+                         text=True).stdout.strip().splitlines()[-1]
+    return Path(out)
+
+
+def llama_logits(bin_dir: Path, work: Path) -> Path:
+    """Build benchmarks/llama_logits.cpp against the libllama of llama_cpp.sh's build."""
+    src = bin_dir.parent.parent / "src"
+    exe = work / "llama-logits"
+    subprocess.run(["g++", "-O2", "-std=c++17", f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}",
+                    str(ROOT / "benchmarks" / "llama_logits.cpp"), f"-L{bin_dir}", "-lllama",
+                    f"-Wl,-rpath,{bin_dir}", "-o", str(exe)], check=True)
+    return exe
+
+
+def small_model(arch: str, folder: Path) -> Path:
+    """A random-weight model of `arch` with its family's real tokenizer, saved as an HF folder."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    cls_name, extra, tok_dir, spm = ARCHITECTURES[arch]
+    tok_src = cache_dir() / tok_dir
+    vocab = Tokenizer.from_file(str(tok_src / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = getattr(transformers, cls_name)(vocab_size=vocab, **(DIMS | extra))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    for f in tok_src.iterdir():
+        shutil.copy(f, folder / f.name)
+    if spm:
+        sentencepiece_model(tok_src / "tokenizer.json", spm, folder / "tokenizer.model")
+    return folder
+
+
+def sentencepiece_model(tokenizer_json: Path, source: str, dest: Path) -> None:
+    """A SentencePiece model (tokenizer.model) of a tokenizer.json's pieces, as the family's own would
+    be: `gemma`: the pieces, scores and types of the real Gemma-3 GGUF file (Gemma's own model, as
+    llama.cpp read it); `merges`: each piece scored by the rank of the tokenizer.json merge that makes it,
+    which encodes as that tokenizer does."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from edge_sd.export import gguf_tokenizer
+
+    proto = pb.ModelProto()
+    if source == "gemma":
+        meta = gguf_tokenizer.read(cache_dir() / REAL_GEMMA)
+        # the file writes user-defined pieces' spaces as spaces; the model, as its other pieces, "▁"
+        pieces = [(t.replace(" ", "\u2581") if kind == 4 else t, score, kind)
+                  for t, score, kind in zip(meta.tokens, meta.scores, meta.types, strict=True)]
+        dummy_prefix = False
+    else:
+        tj = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+        vocab = sorted({**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}.items(),
+                       key=lambda kv: kv[1])
+        special = {t["content"]: t["id"] for t in tj["added_tokens"]}
+        kinds = {tj["model"].get("unk_token"): 2}
+        rank: dict[str, int] = {}  # a piece's score: minus the rank of the first merge that makes it
+        for r, m in enumerate(tj["model"]["merges"]):
+            rank.setdefault("".join(m.split(" ", 1) if isinstance(m, str) else m), r)
+        pieces = [(p, 0.0 if p in special else -float(rank.get(p, len(rank) + i)),
+                   kinds.get(p, 3 if p in special else 6 if p.startswith("<0x") and len(p) == 6 else 1))
+                  for p, i in vocab]
+        dummy_prefix = True
+    for piece, score, kind in pieces:
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = any(kind == 6 for _, _, kind in pieces)
+    proto.trainer_spec.vocab_size = len(pieces)
+    kinds_at = {kind: i for i, (_, _, kind) in reversed(list(enumerate(pieces)))}
+    proto.trainer_spec.unk_id = kinds_at.get(2, 0)
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = dummy_prefix
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    dest.write_bytes(proto.SerializeToString())
+
+
+def run(cmd: list, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+
+
+def convert(hf: Path, dest: Path, bin_dir: Path) -> str | None:
+    """llama.cpp's converter, F32 out; an error line or None."""
+    converter = bin_dir.parent.parent / "src" / "convert_hf_to_gguf.py"
+    p = run([sys.executable, converter, hf, "--outfile", dest, "--outtype", "f32"])
+    return None if p.returncode == 0 else (p.stderr.strip().splitlines() or ["failed"])[-1][:200]
+
+
+def quantize(f32: Path, dest: Path, kind: str, bin_dir: Path) -> str | None:
+    if kind == "F32":
+        if dest != f32:
+            shutil.copy(f32, dest)
+        return None
+    p = run([bin_dir / "llama-quantize", f32, dest, kind, "2"])
+    return None if p.returncode == 0 else (p.stderr.strip().splitlines() or ["failed"])[-1][:200]
+
+
+def llama_tokenize(bin_dir: Path, gguf: Path, text: str) -> list[int]:
+    p = run([bin_dir / "llama-tokenize", "-m", gguf, "-p", text, "--ids", "--log-disable", "--no-parse-special"])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def compare(arch: str, kind: str, gguf: Path, engine: Path, bin_dir: Path, exe: Path, work: Path) -> dict:
+    from edge_sd import GenerationConfig, Pipeline
+
+    pipe = Pipeline.from_folder(engine, provider="cpu", threads=2)
+    t = pipe.target
+    vs_fp32 = t.manifest.validation.get("max_rel_diff_vs_torch")  # edge-sd against the file dequantized, in fp32
+    tokens_equal = sum(t.vocab.encode_text(x) == llama_tokenize(bin_dir, gguf, x)[int(t.manifest.add_bos):]
+                       for x in TEXTS)
+    prompts = [t.prompt_ids(p, chat=False) for p in PROMPTS]
+    (work / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
+    with open(work / "prompts.txt") as stdin:
+        p = subprocess.run([exe, gguf, "2", str(N_GEN), work / "logits.bin"], stdin=stdin, capture_output=True,
+                           text=True)
+    if p.returncode:
+        return {"error": f"llama.cpp: {(p.stderr.strip().splitlines() or ['failed'])[-1][:200]}"}
+    theirs_gen = [list(map(int, ln.split())) for ln in p.stdout.strip().splitlines()]
+    width = t.manifest.logits_width
+    theirs = np.fromfile(work / "logits.bin", dtype=np.float32)
+    n_vocab = theirs.size // sum(map(len, prompts))
+    theirs = theirs.reshape(-1, n_vocab)[:, :min(width, n_vocab)]
+    ours = []
+    for ids in prompts:
+        t.engine.reset()
+        ours.append(t.engine.forward(np.asarray(ids, dtype=np.int64))[:, :theirs.shape[1]])
+    ours_all = np.concatenate(ours).astype(np.float32)
+    diff = np.abs(ours_all - theirs).max(axis=1)
+    top = np.sort(theirs, axis=1)[:, -2:]
+    near = (top[:, 1] - top[:, 0]) <= diff
+    agree = ours_all.argmax(1) == theirs.argmax(1)
+    greedy = split_at_tie = 0
+    for ids, ref in zip(prompts, theirs_gen, strict=True):
+        gen = pipe.generator(GenerationConfig(max_new_tokens=N_GEN, algorithm="plain"))
+        gen.append_tokens(ids)
+        while not gen.is_done:
+            gen.generate_next_tokens()
+        out = gen.result().token_ids  # ends early at an end-of-generation id; llama.cpp's run goes on
+        if out == ref[:len(out)]:
+            greedy += 1
+            continue
+        # where the two part: was edge-sd's own choice there a near-tie (two best logits closer than
+        # the largest difference seen)?
+        at = next(i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b)
+        t.engine.reset()
+        row = np.sort(t.engine.forward(np.asarray(ids + out[:at], dtype=np.int64), last=1)[-1])
+        split_at_tie += bool(row[-1] - row[-2] <= diff.max())
+    return {"tokens_equal": f"{tokens_equal}/{len(TEXTS)}", "top1": f"{int(agree.sum())}/{len(agree)}",
+            "near_ties": int(near.sum()), "disagree_not_near": int((~agree & ~near).sum()),
+            "max_diff": float(diff.max()), "logit_scale": float(np.abs(theirs).max()), "rel_diff_vs_fp32": vs_fp32,
+            "greedy_equal": f"{greedy}/{len(prompts)}", "greedy_split_at_near_tie": split_at_tie}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default=",".join(ARCHITECTURES))
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--keep", type=Path, help="keep the files made here")
+    args = ap.parse_args()
+    bin_dir = tools()
+    work = args.keep or Path(tempfile.mkdtemp(prefix="edge-sd-gguf-arch-"))
+    work.mkdir(parents=True, exist_ok=True)
+    exe = llama_logits(bin_dir, work)
+    edge_sd = Path(sys.executable).parent / "edge-sd"
+    rows = []
+    for arch in args.arch.split(","):
+        hf = small_model(arch, work / f"hf_{arch}")
+        f32 = work / f"{arch}-F32.gguf"
+        error = convert(hf, f32, bin_dir)
+        for kind in args.types.split(","):
+            row: dict = {"arch": arch, "type": kind}
+            rows.append(row)
+            gguf = work / f"{arch}-{kind}.gguf"
+            error = error or quantize(f32, gguf, kind, bin_dir)
+            if error:
+                row["error"] = f"llama.cpp: {error}"
+                print(row, flush=True)
+                continue
+            engine = work / f"engine-{arch}-{kind}"
+            start = time.perf_counter()
+            p = run([edge_sd, "export", "-t", gguf, "-o", engine, "--force"], env={**os.environ, "COLUMNS": "200"})
+            row["export_s"] = round(time.perf_counter() - start, 1)
+            if p.returncode:
+                row["refused" if p.returncode == 2 else "error"] = (p.stderr.strip().splitlines() or ["?"])[-1][:240]
+            else:
+                row |= compare(arch, kind, gguf, engine, bin_dir, exe, work)
+            print(row, flush=True)
+            if not args.keep:
+                if gguf != f32:
+                    gguf.unlink(missing_ok=True)
+                shutil.rmtree(engine, ignore_errors=True)
+    write(rows, args)
+
+
+def _rel(x: float | None) -> str:
+    return "" if x is None else f"{x:.1e}"
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    import platform
+
+    import onnxruntime
+
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gguf_architectures.json").write_text(json.dumps(rows, indent=1) + "\n")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    lines = [
+        "# GGUF files of each architecture and block type, against llama.cpp",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, {cpu} ({os.cpu_count()} cores), ONNX Runtime {onnxruntime.__version__}, "
+        "llama.cpp from llama-cpp-python 0.3.36. Small random-weight models (hidden 256, 2 layers; Gemma-3 6) "
+        "with their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
+        "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids of 8 varied "
+        "texts equal to `llama-tokenize`'s. Top-1: prompt positions (4 prompts) whose next-token argmax equals "
+        "llama.cpp's; near ties: positions whose two best logits are closer than the largest difference; "
+        "greedy: 16-token continuations equal (in brackets: of the others, how many part where edge-sd's two "
+        "best logits are that close). edge-sd vs fp32: the export's own check, its largest relative logit "
+        "difference from the file's weights dequantized and run in fp32 by transformers.",
+        "",
+        f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}",
+        "",
+        "| architecture | type | tokens | top-1 | near ties | max logit diff | edge-sd vs fp32 | greedy | export s "
+        "| refused / error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        problem = r.get("refused") or r.get("error") or ""
+        greedy = f"{r['greedy_equal']} ({r['greedy_split_at_near_tie']})" if "greedy_equal" in r else ""
+        diff = f"{r['max_diff']:.3f} of {r['logit_scale']:.1f}" if "max_diff" in r else ""
+        lines.append(f"| {r['arch']} | {r['type']} | {r.get('tokens_equal', '')} | {r.get('top1', '')} | "
+                     f"{r.get('near_ties', '')} | {diff} | {_rel(r.get('rel_diff_vs_fp32'))} | {greedy} | "
+                     f"{r.get('export_s', '')} | "
+                     f"{problem.replace('|', '/')} |")
+    (RESULTS / "gguf_architectures.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
