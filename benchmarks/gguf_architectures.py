@@ -57,6 +57,8 @@ ARCHITECTURES = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}, "tokenizers/llama2", "merges"),
 }
 REAL_GEMMA = "real/gemma-3-270m-q4_k_m.gguf"
+PHI3_TOKENS = ["<|endoftext|>", "<|assistant|>", *(f"<|placeholder{i}|>" for i in range(1, 5)), "<|system|>",
+               "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]  # ids 32000-32010
 # K-quants need rows of 256 weights; heads of 64 suit ONNX Runtime's attention and llama.cpp's.
 DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.1)
@@ -92,15 +94,20 @@ def small_model(arch: str, folder: Path) -> Path:
 
     cls_name, extra, tok_dir, spm = ARCHITECTURES[arch]
     tok_src = cache_dir() / tok_dir
-    vocab = Tokenizer.from_file(str(tok_src / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in tok_src.iterdir():
+        shutil.copy(f, folder / f.name)
+    if arch == "phi3":  # Phi-3's tokenizer: Llama 2's and these (llama.cpp looks some of them up by name)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok.add_special_tokens(PHI3_TOKENS)
+        tok.save(str(folder / "tokenizer.json"))
+    if spm:
+        sentencepiece_model(folder / "tokenizer.json", spm, folder / "tokenizer.model")
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     config = getattr(transformers, cls_name)(vocab_size=vocab, **(DIMS | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
-    for f in tok_src.iterdir():
-        shutil.copy(f, folder / f.name)
-    if spm:
-        sentencepiece_model(tok_src / "tokenizer.json", spm, folder / "tokenizer.model")
     return folder
 
 
@@ -168,7 +175,9 @@ def quantize(f32: Path, dest: Path, kind: str, bin_dir: Path) -> str | None:
 
 
 def llama_tokenize(bin_dir: Path, gguf: Path, text: str) -> list[int]:
-    p = run([bin_dir / "llama-tokenize", "-m", gguf, "-p", text, "--ids", "--log-disable", "--no-parse-special"])
+    p = run([bin_dir / "llama-tokenize", "-m", gguf, "-p", text, "--ids", "--log-disable", "--no-bos"])
+    if p.returncode:
+        raise RuntimeError(f"llama-tokenize: {(p.stderr.strip().splitlines() or ['failed'])[-1][:200]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -178,8 +187,17 @@ def compare(arch: str, kind: str, gguf: Path, engine: Path, bin_dir: Path, exe: 
     pipe = Pipeline.from_folder(engine, provider="cpu", threads=2)
     t = pipe.target
     vs_fp32 = t.manifest.validation.get("max_rel_diff_vs_torch")  # edge-sd against the file dequantized, in fp32
-    tokens_equal = sum(t.vocab.encode_text(x) == llama_tokenize(bin_dir, gguf, x)[int(t.manifest.add_bos):]
-                       for x in TEXTS)
+    # and texts with special tokens: a chat as the engine's template renders it, BOS and EOS inside text
+    from edge_sd.chat import render_chat
+
+    texts = [*TEXTS, "".join(t.vocab.tokenizer.id_to_token(i) or "" for i in (t.manifest.bos_token_id or 0,
+                                                                                t.manifest.eos_token_ids[0])) + " x",
+             "<|user|>\nHi<|end|>\n<|assistant|>\n"]  # Phi-3's turn, whitespace after its markers
+    if t.manifest.chat_template:
+        texts.append(render_chat(t.manifest, [{"role": "user", "content": "Hi there"},
+                                              {"role": "assistant", "content": "Hello."},
+                                              {"role": "user", "content": " Name\nthree colors. "}]))
+    tokens_equal = sum(t.vocab.encode_text(x) == llama_tokenize(bin_dir, gguf, x) for x in texts)
     prompts = [t.prompt_ids(p, chat=False) for p in PROMPTS]
     (work / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
     with open(work / "prompts.txt") as stdin:
@@ -217,7 +235,7 @@ def compare(arch: str, kind: str, gguf: Path, engine: Path, bin_dir: Path, exe: 
         t.engine.reset()
         row = np.sort(t.engine.forward(np.asarray(ids + out[:at], dtype=np.int64), last=1)[-1])
         split_at_tie += bool(row[-1] - row[-2] <= diff.max())
-    return {"tokens_equal": f"{tokens_equal}/{len(TEXTS)}", "top1": f"{int(agree.sum())}/{len(agree)}",
+    return {"tokens_equal": f"{tokens_equal}/{len(texts)}", "top1": f"{int(agree.sum())}/{len(agree)}",
             "near_ties": int(near.sum()), "disagree_not_near": int((~agree & ~near).sum()),
             "max_diff": float(diff.max()), "logit_scale": float(np.abs(theirs).max()), "rel_diff_vs_fp32": vs_fp32,
             "greedy_equal": f"{greedy}/{len(prompts)}", "greedy_split_at_near_tie": split_at_tie}
@@ -255,7 +273,10 @@ def main() -> None:
             if p.returncode:
                 row["refused" if p.returncode == 2 else "error"] = (p.stderr.strip().splitlines() or ["?"])[-1][:240]
             else:
-                row |= compare(arch, kind, gguf, engine, bin_dir, exe, work)
+                try:
+                    row |= compare(arch, kind, gguf, engine, bin_dir, exe, work)
+                except RuntimeError as e:
+                    row["error"] = str(e)
             print(row, flush=True)
             if not args.keep:
                 if gguf != f32:
@@ -284,7 +305,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "llama.cpp from llama-cpp-python 0.3.36. Small random-weight models (hidden 256, 2 layers; Gemma-3 6) "
         "with their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
         "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids of 8 varied "
-        "texts equal to `llama-tokenize`'s. Top-1: prompt positions (4 prompts) whose next-token argmax equals "
+        "texts, one with BOS and EOS inside and a chat as the engine's template renders it (where it has one) "
+        "equal to `llama-tokenize`'s. Top-1: prompt positions (4 prompts) whose next-token argmax equals "
         "llama.cpp's; near ties: positions whose two best logits are closer than the largest difference; "
         "greedy: 16-token continuations equal (in brackets: of the others, how many part where edge-sd's two "
         "best logits are that close). edge-sd vs fp32: the export's own check, its largest relative logit "

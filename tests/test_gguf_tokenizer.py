@@ -134,3 +134,15 @@ def test_the_real_files_encode_as_llama_cpp_does(name: str) -> None:
         source = Tokenizer.from_file(str(cache_dir() / "tokenizers" / "gemma3" / "tokenizer.json"))
         texts = [p.text for s in prompt_sets.SETS for p in prompt_sets.load(s, cache_dir(), 20)]
         assert [t[:40] for t in texts if encode(built, t) != encode(source, t)] == []
+
+
+def test_phi3_files_strip_whitespace_after_special_tokens(tokenized_gguf: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's rule for files named Phi-3: the whitespace after a special token goes with it
+    (but not after <s>, <unk> or <|endoftext|>); other files keep it."""
+    meta = gguf_tokenizer.read(tokenized_gguf)
+    plain = Tokenizer.from_str(json.dumps(gguf_tokenizer.tokenizer_json(meta)))
+    phi3 = Tokenizer.from_str(json.dumps(gguf_tokenizer.tokenizer_json(type(meta)(**{**meta.__dict__,
+                                                                                   "name": "Phi-3-mini"}))))
+    assert encode(phi3, "a<eos>  \n b") == encode(phi3, "a<eos>b") != encode(plain, "a<eos>  \n b")
+    assert encode(plain, "a<eos>  \n b") != encode(plain, "a<eos>b")

@@ -78,6 +78,7 @@ class Metadata:
     add_bos: bool | None
     add_space_prefix: bool
     path: Path  # the file, for messages
+    name: str = ""  # general.name: llama.cpp sets some token attributes by it
 
 
 def read_fields(path: Path) -> dict[str, Any]:
@@ -132,7 +133,7 @@ def read(path: Path, fields: dict[str, Any] | None = None) -> Metadata:
         scores=[float(s) for s in scores], merges=get("merges", [], many=True), bos=get("bos_token_id"),
         eos=get("eos_token_id"), unk=get("unknown_token_id"), eot=get("eot_token_id"),
         add_bos=None if add_bos is None else bool(add_bos), add_space_prefix=bool(get("add_space_prefix", True)),
-        path=Path(path),
+        path=Path(path), name=str(scalar(fields, "general.name") or ""),
     )
 
 
@@ -235,10 +236,14 @@ def _added_tokens(meta: Metadata) -> list[dict]:
     """Control and unknown tokens as special tokens, user-defined ones as plain added tokens, each
     under its own id and as the file writes it (Gemma's runs of spaces as spaces): both are matched in
     the raw text first, longest first, as llama.cpp's special-token partition matches them."""
+    # llama.cpp's rule for files named Phi-3: whitespace after a special token belongs to it, except
+    # after <unk>, <s> and <|endoftext|>
+    phi3 = any(n in meta.name.lower() for n in ("phi-3", "phi3"))
     out = []
     for i, (t, kind) in enumerate(zip(meta.tokens, meta.types, strict=True)):
         special = kind in (CONTROL, UNKNOWN) or i in (meta.bos, meta.eos)
         if special or kind == USER_DEFINED:
-            out.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+            rstrip = phi3 and t not in ("<unk>", "<s>", "<|endoftext|>")
+            out.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": rstrip,
                         "normalized": False, "special": special})
     return out

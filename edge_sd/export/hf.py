@@ -120,9 +120,10 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
 
         fields = fields or {}
         arch = scalar(fields, "general.architecture")
-        if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        readable = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer", "tokenizer_config"})
+        if arch not in readable:
             raise UsageError(f"{src}: architecture {arch!r} is not one transformers reads from GGUF (it reads "
-                             f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); export its Hugging Face folder")
+                             f"{', '.join(readable)}); export its Hugging Face folder")
         hf_dir = workdir / "hf"
         with step(f"load {path.name} (GGUF, dequantized to fp32)"):
             try:
