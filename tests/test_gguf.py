@@ -262,3 +262,33 @@ def test_an_architecture_transformers_cannot_read_is_refused_by_name(tmp_path: P
     assert r.exit_code == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.output
     assert f"{path}: architecture 'made-up'" in r.stderr.replace("\n", "") and "qwen3" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch, layers, expected", [("gemma2", 2, 64), ("gemma2", 46, 96), ("gemma3", 62, 96),
+                                                    ("qwen3", 2, None)])
+def test_what_transformers_takes_from_its_defaults_comes_from_the_file(tmp_path: Path, arch: str, layers: int,
+                                                                       expected: int | None) -> None:
+    """The head size (transformers assumes Qwen3's 128) and Gemma's query scale (it assumes 256), as
+    llama.cpp reads the file: the head size, or hidden / heads in its 27B layouts."""
+    import gguf
+    from transformers import Gemma2Config, Qwen3Config
+
+    from edge_sd.export.gguf_tokenizer import read_fields
+    from edge_sd.export.hf import _as_llama_cpp_reads
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(384)
+    writer.add_head_count(4)
+    writer.add_key_length(64)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = Qwen3Config() if arch == "qwen3" else Gemma2Config()
+    assert config.head_dim != 64
+    _as_llama_cpp_reads(config, arch, read_fields(path))
+    assert config.head_dim == 64
+    assert getattr(config, "query_pre_attn_scalar", None) == expected

@@ -130,9 +130,7 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
                 config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
                 # transformers takes some architectures' head size from its defaults (Qwen3's 128),
                 # not from the file
-                head_dim = scalar(fields, f"{arch}.attention.key_length")
-                if head_dim and getattr(config, "head_dim", head_dim) != head_dim:
-                    config.head_dim = int(head_dim)
+                _as_llama_cpp_reads(config, arch, fields)
                 model = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, config=config, dtype="float32"
                 )
@@ -151,6 +149,25 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
     except Exception:
         tok = None  # a model without an HF tokenizer still exports with --tokenizer
     return src, tok
+
+
+# llama.cpp scales Gemma-2 and Gemma-3 queries by the head size, except in its 27B layouts (by this
+# many layers), by hidden size / heads.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _as_llama_cpp_reads(config: Any, arch: str, fields: dict[str, Any]) -> None:
+    """What transformers takes from its defaults where the GGUF file, as llama.cpp reads it, says
+    otherwise: the head size (Qwen3's default 128) and Gemma's query scale (its default 256)."""
+    from edge_sd.export.gguf_tokenizer import scalar
+
+    head_dim = scalar(fields, f"{arch}.attention.key_length")
+    if head_dim and getattr(config, "head_dim", head_dim) != head_dim:
+        config.head_dim = int(head_dim)
+    if arch in GEMMA_27B_LAYERS and hasattr(config, "query_pre_attn_scalar"):
+        hidden, heads = scalar(fields, f"{arch}.embedding_length"), scalar(fields, f"{arch}.attention.head_count")
+        big = scalar(fields, f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+        config.query_pre_attn_scalar = int(hidden // heads if big else (head_dim or config.head_dim))
 
 
 def tokenizer_file(override: str) -> Path:
