@@ -66,7 +66,9 @@ TEXTS = ["Once upon a time", "a  b\n\n\nc    d\t\te", "def f(x):\n    return x *
          "Prices rose 12.5% in 2024, to $1,234.56.", "emoji 😀🎉 and CJK 漢字かな 한국어", "  leading spaces",
          "I'm sure they'll've done it", "über naïve café 12345678901234567890"]
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    if n < 2:\n        return n\n",
-           "In 1969, the first humans landed on", "Liste des courses : pommes, poires,"]
+           "In 1969, the first humans landed on", "Liste des courses : pommes, poires,",
+           "Q: What is 17 times 3?\nA:", "<html>\n  <body>\n    <h1>", "Once upon a time, in a small village",
+           "SELECT name, COUNT(*) FROM users GROUP BY"]
 N_GEN = 16
 
 
@@ -245,6 +247,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default=",".join(ARCHITECTURES))
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--every-type", default="", help="architectures that get every type, whatever --types says")
     ap.add_argument("--keep", type=Path, help="keep the files made here")
     args = ap.parse_args()
     bin_dir = tools()
@@ -257,7 +260,7 @@ def main() -> None:
         hf = small_model(arch, work / f"hf_{arch}")
         f32 = work / f"{arch}-F32.gguf"
         error = convert(hf, f32, bin_dir)
-        for kind in args.types.split(","):
+        for kind in TYPES if arch in args.every_type.split(",") else args.types.split(","):
             row: dict = {"arch": arch, "type": kind}
             rows.append(row)
             gguf = work / f"{arch}-{kind}.gguf"
@@ -306,13 +309,14 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "with their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
         "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids of 8 varied "
         "texts, one with BOS and EOS inside and a chat as the engine's template renders it (where it has one) "
-        "equal to `llama-tokenize`'s. Top-1: prompt positions (4 prompts) whose next-token argmax equals "
+        "equal to `llama-tokenize`'s. Top-1: prompt positions (8 prompts) whose next-token argmax equals "
         "llama.cpp's; near ties: positions whose two best logits are closer than the largest difference; "
         "greedy: 16-token continuations equal (in brackets: of the others, how many part where edge-sd's two "
         "best logits are that close). edge-sd vs fp32: the export's own check, its largest relative logit "
         "difference from the file's weights dequantized and run in fp32 by transformers.",
         "",
-        f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}",
+        f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}"
+        + (f" --every-type {args.every_type}" if args.every_type else ""),
         "",
         "| architecture | type | tokens | top-1 | near ties | max logit diff | edge-sd vs fp32 | greedy | export s "
         "| refused / error |",
