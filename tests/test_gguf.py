@@ -292,3 +292,18 @@ def test_what_transformers_takes_from_its_defaults_comes_from_the_file(tmp_path:
     _as_llama_cpp_reads(config, arch, read_fields(path))
     assert config.head_dim == 64
     assert getattr(config, "query_pre_attn_scalar", None) == expected
+
+
+@pytest.mark.parametrize("keep", [100, 5000, -1000])
+def test_a_truncated_gguf_file_is_one_line_naming_it(gguf_root: Path, tmp_path: Path, keep: int) -> None:
+    """Cut in its header, in its metadata or in its tensors: one line naming the file, no output folder."""
+    from typer.testing import CliRunner
+
+    from edge_sd.tools.cli import app
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes((gguf_root / "llama.gguf").read_bytes()[:keep])
+    r = CliRunner().invoke(app, ["export", "-t", str(path), "-o", str(tmp_path / "out")])
+    assert r.exit_code not in (0, 1) and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert str(path) in r.stderr.replace("\n", "") and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
