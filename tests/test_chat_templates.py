@@ -94,8 +94,10 @@ def test_a_template_file_is_read(tmp_path: Path) -> None:
         chat_templates.check("nope")
 
 
-@pytest.mark.parametrize("args, words", [(["--chat-template", "nope"], "--chat-template nope"),
-                                         (["--drafter-chat-template", "chatml"], "--drafter-chat-template")])
+@pytest.mark.parametrize("args, words", [
+    (["--chat-template", "nope"], "--chat-template nope"),
+    (["--drafter-chat-template", "chatml"], "--drafter-chat-template"),
+    (["-d", "d.gguf", "--drafter-chat-template", "x"], "--drafter-chat-template x")])
 def test_export_refuses_a_bad_template_option_before_any_work(args: list[str], words: str, tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["export", "-t", "m.gguf", "-o", str(tmp_path / "out"), *args])
     assert r.exit_code == 2 and words in r.stderr and r.stdout == "", r.output

@@ -56,10 +56,10 @@ BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def check(option: str | None) -> None:
+def check(option: str | None, flag: str = "--chat-template") -> None:
     """Refuse a `--chat-template` that is neither a built-in name nor a readable file."""
     if option is not None and option not in BUILTIN and not Path(option).is_file():
-        raise UsageError(f"--chat-template {option}: not a file, nor one of {', '.join(BUILTIN)}")
+        raise UsageError(f"{flag} {option}: not a file, nor one of {', '.join(BUILTIN)}")
 
 
 def from_option(option: str) -> str:

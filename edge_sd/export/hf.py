@@ -116,9 +116,9 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
     if src.lower().endswith(".gguf"):
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-        from edge_sd.export.gguf_tokenizer import scalar
+        from edge_sd.export.gguf_tokenizer import read_fields, scalar
 
-        fields = fields or {}
+        fields = read_fields(path) if fields is None else fields
         arch = scalar(fields, "general.architecture")
         readable = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer", "tokenizer_config"})
         if arch not in readable:
@@ -128,8 +128,6 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
         with step(f"load {path.name} (GGUF, dequantized to fp32)"):
             try:
                 config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-                # transformers takes some architectures' head size from its defaults (Qwen3's 128),
-                # not from the file
                 _as_llama_cpp_reads(config, arch, fields)
                 model = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, config=config, dtype="float32"

@@ -186,6 +186,9 @@ def export(
                               (drafter_chat_template, "--drafter-chat-template")):
             if given and drafter is None:
                 raise UsageError(f"{option} sets the drafter's: give one with --drafter")
+        from edge_sd.export.chat_templates import check as check_template
+
+        check_template(drafter_chat_template, "--drafter-chat-template")
         check(target, drafter, opts, drafter_opts, tokenizer, drafter_tokenizer, vocab_keep)
         # started at the first step, so that an export refused before any leaves its error alone on stderr
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err)
