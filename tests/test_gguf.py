@@ -307,3 +307,28 @@ def test_a_truncated_gguf_file_is_one_line_naming_it(gguf_root: Path, tmp_path: 
     assert r.exit_code not in (0, 1) and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.output
     assert str(path) in r.stderr.replace("\n", "") and "Traceback" not in r.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_gguf_file_computes_what_its_model_does(tmp_path: Path, arch: str) -> None:
+    """Tiny models whose head size (Qwen3: 16) and query scale (Gemma-3: 32) are not what transformers
+    assumes for a GGUF file, written with F32 weights and their tokenizer: exported from the file
+    alone, the engine's logits over a prompt longer than Gemma's sliding window equal the model's own
+    forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edge_sd.engines.ort import OrtEngine
+    from edge_sd.export.hf import ExportOptions, export_engine
+
+    hf = tiny.build_model(tmp_path / "hf", tiny.train_byte_level(320), arch, seed=31, steps=30)
+    path = tiny.write_gguf(hf, tmp_path / f"{arch}.gguf", {}, tokenizer=True)
+    (tmp_path / "engine").mkdir()
+    export_engine(str(path), tmp_path / "engine", ExportOptions())
+    ids = np.random.default_rng(0).integers(3, 300, size=24)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(torch.tensor(ids[None])).logits[0].numpy()
+    engine = OrtEngine(tmp_path / "engine", provider="cpu", threads=2)
+    out = engine.forward(ids)[:, :ref.shape[1]]
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
+    assert (out.argmax(-1) == ref.argmax(-1)).all()

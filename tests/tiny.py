@@ -141,6 +141,8 @@ def _make(arch: str, vocab: int, **config: int):
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -150,6 +152,8 @@ def _make(arch: str, vocab: int, **config: int):
         return LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common))
+    if arch == "qwen3":  # 16-wide heads: not the 128 transformers assumes for a Qwen3 GGUF file
+        return Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common))
     if arch == "gemma3":
         # The released Gemma-3 layer pattern (five sliding-window layers, then a global one), which
         # onnxruntime-genai's model builder assumes; a 16-position window that the tests exceed.
@@ -184,22 +188,15 @@ def pad_vocabulary(src: Path, dest: Path, extra: int) -> Path:
 
 # --- tiny GGUF files ------------------------------------------------------------------------------
 
-# HF parameter name pieces -> GGUF tensor names (llama.cpp's naming for llama and qwen2).
-_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+def gguf_name(hf_name: str, arch: str = "llama", blocks: int = 64) -> str:
+    """llama.cpp's name for an HF parameter (the gguf package's own table)."""
+    import gguf
 
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), blocks)
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise KeyError(hf_name)
+    return name
 
 
 def quantize_q6_k(w):
@@ -254,7 +251,7 @@ def add_tokenizer(writer, tokenizer_json: Path) -> None:
 
 
 def write_gguf(hf: Path, path: Path, types: dict[str, str], tokenizer: bool = False) -> Path:
-    """The llama or qwen2 model of an HF folder as a GGUF file: each weight matrix in the GGML type of
+    """The llama, qwen2, qwen3 or gemma3 model of an HF folder as a GGUF file: each weight matrix in the GGML type of
     the first pattern of `types` (fnmatch on GGUF names) it matches, else F32; norms and biases F32.
     tokenizer: with the folder's tokenizer in the metadata, as llama.cpp's converter writes it.
     Llama's q and k rows are permuted as llama.cpp's converter permutes them (transformers undoes it)."""
@@ -267,8 +264,13 @@ def write_gguf(hf: Path, path: Path, types: dict[str, str], tokenizer: bool = Fa
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     cfg = model.config
-    arch = cfg.model_type
+    arch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -277,7 +279,7 @@ def write_gguf(hf: Path, path: Path, types: dict[str, str], tokenizer: bool = Fa
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_chat_template(CHAT_TEMPLATE)  # as real GGUF files carry theirs
@@ -291,7 +293,9 @@ def write_gguf(hf: Path, path: Path, types: dict[str, str], tokenizer: bool = Fa
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        gname = gguf_name(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as 1 + weight (transformers takes 1 off)
+        gname = gguf_name(name, arch, cfg.num_hidden_layers)
         kind = next((t for p, t in types.items() if fnmatch.fnmatch(gname, p)), "F32") if w.ndim == 2 else "F32"
         if kind == "F32":
             writer.add_tensor(gname, np.ascontiguousarray(w))
