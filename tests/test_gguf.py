@@ -332,3 +332,17 @@ def test_a_gguf_file_computes_what_its_model_does(tmp_path: Path, arch: str) -> 
     out = engine.forward(ids)[:, :ref.shape[1]]
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
     assert (out.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_float_weights_of_every_width_are_carried(gguf_root: Path, tmp_path: Path) -> None:
+    """F16 and BF16 weights (BF16 arrives as raw 16-bit words) stay float MatMuls with the file's
+    values: the export validates against transformers' reading of the same file."""
+    from edge_sd.export.hf import ExportOptions, export_engine
+
+    path = tiny.write_gguf(gguf_root / "hf_llama", tmp_path / "floats.gguf",
+                           {"*attn_q.*": "F16", "*ffn_up*": "BF16"}, tokenizer=True)
+    (tmp_path / "e").mkdir()
+    m = export_engine(str(path), tmp_path / "e", ExportOptions())
+    q = m.quantization
+    assert q["float_matmuls"] >= 4  # q and up in both layers
+    assert m.validation["top1_agreement_vs_torch"] == 1.0 and m.validation["max_rel_diff_vs_torch"] < 1e-4

@@ -81,8 +81,8 @@ class _Index:
             t = self.tensors[name]
             cols = int(t.shape[0])  # GGUF lists dimensions innermost first
             kind = t.tensor_type.name
-            if kind in FLOAT_TYPES:
-                w = np.asarray(t.data).reshape(-1, cols).astype(np.float32)
+            if kind in FLOAT_TYPES:  # BF16 arrives as its raw 16-bit words: gguf converts them
+                w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1, cols).astype(np.float32)
                 self._sources[name] = _Source(name, kind, None, w)
             else:
                 raw = np.asarray(t.data)
