@@ -307,13 +307,22 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         f"{time.strftime('%Y-%m-%d')}, {cpu} ({os.cpu_count()} cores), ONNX Runtime {onnxruntime.__version__}, "
         "llama.cpp from llama-cpp-python 0.3.36. Small random-weight models (hidden 256, 2 layers; Gemma-3 6) "
         "with their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
-        "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids of 8 varied "
-        "texts, one with BOS and EOS inside and a chat as the engine's template renders it (where it has one) "
-        "equal to `llama-tokenize`'s. Top-1: prompt positions (8 prompts) whose next-token argmax equals "
-        "llama.cpp's; near ties: positions whose two best logits are closer than the largest difference; "
+        "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids equal to "
+        "`llama-tokenize`'s (special tokens parsed) on 8 varied texts, one with BOS and EOS inside, a Phi-3 "
+        "turn and a chat as the engine's template renders it (where it has one). Top-1: prompt positions "
+        "(8 prompts) whose next-token argmax equals llama.cpp's; near ties: positions whose two best logits "
+        "are closer than the largest difference; "
         "greedy: 16-token continuations equal (in brackets: of the others, how many part where edge-sd's two "
         "best logits are that close). edge-sd vs fp32: the export's own check, its largest relative logit "
         "difference from the file's weights dequantized and run in fp32 by transformers.",
+        "",
+        "Random weights give flat next-token distributions (least so with Gemma's scaled embeddings and "
+        "capped logits): many positions are near ties, where each side's rounding (int8 activations in "
+        "edge-sd's MatMulNBits at accuracy level 4, q8 dot products in llama.cpp) can decide the argmax, and a "
+        "greedy continuation parts at the first of them. Top-1 disagreements outside near ties, all rows: "
+        f"{sum(r.get('disagree_not_near', 0) for r in rows)}. How far llama.cpp itself is from fp32 is not "
+        "measured here; on the real Gemma-3-270M file edge-sd's perplexity is closer to its fp32 export's "
+        "than llama.cpp's ([llama_cpp.md](llama_cpp.md)).",
         "",
         f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}"
         + (f" --every-type {args.every_type}" if args.every_type else ""),
