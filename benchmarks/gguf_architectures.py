@@ -13,7 +13,7 @@ exported with `edge-sd export` from the file alone. Then, on the same file:
 - greedy: 16 tokens after each prompt, equal or not.
 
 Not part of the set-up or the tests (they check the same export against the `gguf` package's own
-dequantization on files they write). Needs benchmarks/llama_cpp.sh's build and `sentencepiece`.
+dequantization on files they write). Needs benchmarks/llama_cpp.sh's build and the bench extra (sentencepiece).
 
     .venv/bin/python benchmarks/gguf_architectures.py [--arch llama,qwen3] [--types Q4_K,Q8_0]
 
