@@ -54,7 +54,8 @@ ARCHITECTURES = {
     "gemma": ("GemmaConfig", {}, "tokenizers/gemma3", "gemma"),
     "gemma2": ("Gemma2Config", {"sliding_window": 32, "query_pre_attn_scalar": 64}, "tokenizers/gemma3", "gemma"),
     "gemma3": ("Gemma3TextConfig", GEMMA3_LAYERS, "tokenizers/gemma3", "gemma"),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}, "tokenizers/llama2", "merges"),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "original_max_position_embeddings": 512}, "tokenizers/llama2",
+             "merges"),  # trained at its full context: Phi-3-mini-4k, not a LongRoPE variant
 }
 REAL_GEMMA = "real/gemma-3-270m-q4_k_m.gguf"
 PHI3_TOKENS = ["<|endoftext|>", "<|assistant|>", *(f"<|placeholder{i}|>" for i in range(1, 5)), "<|system|>",

@@ -294,6 +294,29 @@ def test_what_transformers_takes_from_its_defaults_comes_from_the_file(tmp_path:
     assert getattr(config, "query_pre_attn_scalar", None) == expected
 
 
+def test_phi3_is_trained_at_the_context_its_file_runs_at(tmp_path: Path) -> None:
+    """A Phi-3 file without LongRoPE's original context is a model of its own context: not the 4096
+    transformers assumes, which would send the model builder down its LongRoPE path."""
+    import gguf
+    from transformers import Phi3Config
+
+    from edge_sd.export.gguf_tokenizer import read_fields
+    from edge_sd.export.hf import _as_llama_cpp_reads
+
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(512)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = Phi3Config(max_position_embeddings=512)
+    assert config.original_max_position_embeddings == 4096
+    _as_llama_cpp_reads(config, "phi3", read_fields(path))
+    assert config.original_max_position_embeddings == 512
+
+
 @pytest.mark.parametrize("keep", [100, 5000, -1000])
 def test_a_truncated_gguf_file_is_one_line_naming_it(gguf_root: Path, tmp_path: Path, keep: int) -> None:
     """Cut in its header, in its metadata or in its tensors: one line naming the file, no output folder."""

@@ -156,12 +156,19 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 def _as_llama_cpp_reads(config: Any, arch: str, fields: dict[str, Any]) -> None:
     """What transformers takes from its defaults where the GGUF file, as llama.cpp reads it, says
-    otherwise: the head size (Qwen3's default 128) and Gemma's query scale (its default 256)."""
+    otherwise: the head size (Qwen3's default 128), Phi-3's training context and Gemma's query scale
+    (its default 256)."""
     from edge_sd.export.gguf_tokenizer import scalar
 
     head_dim = scalar(fields, f"{arch}.attention.key_length")
     if head_dim and getattr(config, "head_dim", head_dim) != head_dim:
         config.head_dim = int(head_dim)
+    if arch == "phi3" and hasattr(config, "original_max_position_embeddings"):
+        # Phi-3's training context: where the file names none, the context it runs at (a 4k model); the
+        # default (4096) would make any other context look like a LongRoPE model to the builder
+        original = scalar(fields, "phi3.rope.scaling.original_context_length") or scalar(fields, "phi3.context_length")
+        if original:
+            config.original_max_position_embeddings = int(original)
     if arch in GEMMA_27B_LAYERS and hasattr(config, "query_pre_attn_scalar"):
         hidden, heads = scalar(fields, f"{arch}.embedding_length"), scalar(fields, f"{arch}.attention.head_count")
         big = scalar(fields, f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
