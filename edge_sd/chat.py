@@ -62,8 +62,9 @@ class Conversation:
     def copy(self) -> Conversation:
         return Conversation([dict(m) for m in self.messages], self.rendered, self.base)
 
-    def add(self, content: str, role: str, target: EngineManifest, drafter: EngineManifest | None) -> Turn:
-        self.messages.append({"role": role, "content": content})
+    def add(self, messages: list[dict[str, str]], target: EngineManifest, drafter: EngineManifest | None) -> Turn:
+        """Add turns (each a role and its content) and render the conversation up to the reply to them."""
+        self.messages += [{"role": m["role"], "content": m["content"]} for m in messages]
         full = render_chat(target, self.messages)
         before, refeed = self.rendered, None
         if not full.startswith(before):

@@ -113,23 +113,31 @@ class Generator:
         template adds since the last reply is new; both engines prefill that alone. A turn that is
         refused (an error raised here: too long for the context, say) leaves the conversation as it
         was, so that the next turn continues it."""
-        text_input.check(content, "the message")
-        if not content:
-            raise UsageError("the message is empty")
+        self.append_messages([{"role": role, "content": content}])
+
+    def append_messages(self, messages: Sequence[dict[str, str]]) -> None:
+        """Append chat turns at once (a whole conversation, as an OpenAI-style message list: each a
+        "role" and its "content"), rendered by the chat template, and start the reply to the last."""
+        if not messages:
+            raise UsageError("no messages")
+        for i, m in enumerate(messages):
+            where = "the message" if len(messages) == 1 else f"message {i}"
+            text_input.check(m["content"], where)
+            if not m["content"]:
+                raise UsageError(f"{where} is empty")
         self._end_reply()
         # The caches need no restoring: they hold a prefix of the sequence, and the next reply feeds
         # what they lack.
         saved = (list(self.ids), self._chat.copy(), self._drafter_context, self.reply_start, self.state)
         try:
-            self._append_turn(content, role)
+            self._append_turns(list(messages))
         except BaseException:
             self.ids[:], self._chat, self._drafter_context, self.reply_start, self.state = saved
             raise
 
-    def _append_turn(self, content: str, role: str) -> None:
+    def _append_turns(self, messages: list[dict[str, str]]) -> None:
         drafter = self.model.drafter
-        turn = self._chat.add(content, role, self.model.target.manifest,
-                              drafter.manifest if drafter is not None else None)
+        turn = self._chat.add(messages, self.model.target.manifest, drafter.manifest if drafter is not None else None)
         if turn.refeed_from is not None:
             self._cut(turn.refeed_from)
             self._drafter_context = self._text_of(self.ids)

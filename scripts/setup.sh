@@ -17,12 +17,12 @@ fi
 PY="$VENV/bin/python"
 stamp="$VENV/.edge-sd-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "==> installing torch (CPU build) and edge-sd[cli,export,bench,dev]"
+  echo "==> installing torch (CPU build) and edge-sd[cli,export,serve,bench,dev]"
   "$PY" -m pip install -q --upgrade pip
   # torch first and pinned, so that these machines take the CPU wheel from local disk instead of
   # letting the export extra pull a multi-GB CUDA build.
   "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e ".[cli,export,bench,dev]"
+  "$PY" -m pip install -q -e ".[cli,export,serve,bench,dev]"
   touch "$stamp"
 fi
 

@@ -116,7 +116,7 @@ def test_cli_reference_names_every_option() -> None:
     """docs/cli.md describes every option each command's help offers."""
     reference = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     missing = []
-    for command in ("export", "generate", "chat", "inspect", "calibrate", "bench"):
+    for command in ("export", "generate", "chat", "serve", "inspect", "calibrate", "bench"):
         shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).stdout
         for option in set(re.findall(r"(--[a-z][a-z-]+)", shown)) - {"--help"}:
             if option not in reference:

@@ -456,6 +456,73 @@ def chat(
                       f"{s.prompt_tokens}", highlight=False, soft_wrap=True, markup=False)
 
 
+@app.command()
+def serve(
+    folder: Path = typer.Argument(..., help="Pair folder or single-engine folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
+                             "set --api-key then)."),
+    port: int = typer.Option(8080, "--port", help="TCP port."),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests decoded at once, a round each in "
+                                       "turn."),
+    queue: int = typer.Option(16, "--queue", help="Requests waiting for a place; beyond them HTTP 503 with "
+                              "Retry-After."),
+    timeout: float = typer.Option(0.0, "--timeout", help="Seconds a request may take, queueing included "
+                                  "(0 = no limit); past it HTTP 504."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="EDGE_SD_API_KEY",
+                                          help="Require `Authorization: Bearer KEY` on /v1 (env EDGE_SD_API_KEY)."),
+    grace: float = typer.Option(10.0, "--grace", help="Seconds in-flight requests get to finish after SIGTERM or "
+                                "Ctrl-C; then they are cancelled."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's id in /v1/models \\[the folder's name]."),
+    provider: str = typer.Option("auto", "--provider", help="auto|cpu|cuda|tensorrt."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help=THREADS_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request."),
+) -> None:
+    """Serve the OpenAI API over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    One model is loaded once; every request decodes on a generator of its own, interleaved a round
+    at a time. Streaming is server-sent events in the OpenAI chunk format. Beyond the OpenAI fields,
+    requests take llama.cpp's top_k, min_p, repeat_penalty, repeat_last_n and edge-sd's algorithm.
+    Needs the serve extra: pip install '.[cli,serve]'.
+
+    Examples:
+
+      edge-sd serve engines/gemma3-270m_smollm2-135m
+
+      edge-sd serve engines/pair --host 0.0.0.0 --port 8000 --api-key "$KEY" --max-concurrent 2
+
+      curl -s localhost:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+           -d '{"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 32}'
+    """
+    with _errors():
+        checks = ((port, 0 <= port <= 65535, "--port must be in [0, 65535]"),
+                  (max_concurrent, max_concurrent >= 1, "--max-concurrent must be at least 1"),
+                  (queue, queue >= 0, "--queue must be >= 0"), (timeout, timeout >= 0, "--timeout must be >= 0"),
+                  (grace, grace >= 0, "--grace must be >= 0"))
+        for value, ok, rule in checks:
+            if not ok:
+                raise UsageError(f"{rule}, got {value}")
+        if api_key is not None and not api_key:
+            raise UsageError("--api-key must not be empty")
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+
+            from edge_sd.tools import serve as server
+        except ImportError as e:
+            raise UsageError(f"edge-sd serve needs its extra: pip install '.[cli,serve]' in a clone of edge-sd "
+                             f"({e})") from None
+        from edge_sd.model import Model
+
+        model = Model.load(folder, provider=provider, threads=threads)
+        for note in model.notes:
+            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+        if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            err.print(f"note: serving on {host} without --api-key: anyone who reaches the port can use it",
+                      highlight=False)
+        server.run(model, name or folder.resolve().name, host, port, max_concurrent, queue, timeout or None,
+                   api_key, grace, access_log=not quiet)
+
+
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
