@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -338,3 +339,21 @@ def test_bad_options_are_one_line(tiny_root: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "edge_sd.tools.cli", "serve", str(tiny_root / "pairs" / PAIR),
                             *args], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert r.returncode == 2 and r.stdout == "" and word in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_single_engine_without_a_chat_template(tiny_root: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_root / "engines" / "bl_llama", folder)
+    manifest = json.loads((folder / "engine.json").read_text())
+    manifest["chat_template"] = None
+    (folder / "engine.json").write_text(json.dumps(manifest))
+    srv = Server(folder)
+    try:
+        response = srv.post("/v1/chat/completions", {"messages": MESSAGES})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        assert "/v1/completions" in response.json()["error"]["message"]
+        reply = srv.client().completions.create(model="engine", prompt=PROMPTS[1], max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens >= 1 and reply.model == "engine"
+    finally:
+        code, stderr = srv.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr

@@ -164,7 +164,12 @@ def _chat_feed(body: dict) -> Callable[[Generator], None]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     turns = [_content(m, i) for i, m in enumerate(messages)]
-    return lambda gen: gen.append_messages(turns)
+
+    def feed(gen: Generator) -> None:
+        if not gen.model.target.manifest.chat_template:
+            raise RequestError("this model has no chat template: send its prompt to /v1/completions", "messages")
+        gen.append_messages(turns)
+    return feed
 
 
 def _prompt_feed(body: dict) -> Callable[[Generator], None]:

@@ -163,7 +163,7 @@ class Server:
             req = api.parse(await self._body(request), chat, self.model.target.manifest.max_context)
         except api.RequestError as e:
             return _error_of(e, chat)
-        job = Job(req.config, req.feed, asyncio.get_running_loop(), self.settings.timeout_s)
+        job = Job(req.config, req.feed, asyncio.get_running_loop(), self.settings.timeout_s, req.stream)
         assert self.worker is not None
         try:
             self.worker.submit(job)

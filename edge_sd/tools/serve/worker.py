@@ -39,6 +39,7 @@ class Job:
     feed: Callable[[Generator], None]
     loop: asyncio.AbstractEventLoop
     timeout_s: float | None = None
+    stream: bool = True  # whether it hears each round's text (a whole reply needs the result alone)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -141,7 +142,7 @@ class Worker:
                 job.send("started", len(gen.ids))
                 return None
             emitted = job.gen.generate_next_tokens()
-            if emitted.text:
+            if emitted.text and job.stream:
                 job.send("text", emitted.text)
             if job.gen.is_done:
                 job.send("done", job.gen.result())
