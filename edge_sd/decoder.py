@@ -25,6 +25,11 @@ from edge_sd.schedules import Round, Schedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
+# Positions a prefill feeds a forward: an attention kernel holds a forward's scores, [heads, fed,
+# cached] floats, so a prompt of thousands of tokens fed whole would take gigabytes for them alone.
+# A multiple of the engines' split (engines/consistency.py), where long forwards are cut anyway.
+PREFILL_CHUNK = 512
+
 
 @dataclass
 class Emitted:
@@ -60,20 +65,33 @@ class Decoder:
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
         self.width = target.manifest.scored_ids
         self._drafter0 = self._drafter_counters()
+        self._prefill_begun = False
 
-    def prefill(self) -> None:
-        """Cache what is not cached yet of the committed ids but the last (the first round feeds it)."""
+    def prefill(self, limit: int | None = None) -> bool:
+        """Cache what is not cached yet of the committed ids but the last (the first round feeds it),
+        PREFILL_CHUNK positions a forward; with `limit`, about that many positions now (a chunk at
+        least). True once all of it is cached."""
         committed, target = self.committed, self.target
-        self.stats.prompt_tokens = len(committed)
-        pending = committed[target.n_cached : -1]
-        self.stats.prefilled_tokens = len(pending)
-        if pending:
-            before = target.forward_time  # engines time their own forwards
-            target.forward(np.asarray(pending), last=1, scratch=True)  # its logits are not read
+        end = len(committed) - 1
+        if not self._prefill_begun:
+            self._prefill_begun = True
+            self.stats.prompt_tokens = len(committed)
+            self.stats.prefilled_tokens = max(0, end - target.n_cached)
+        fed = 0
+        while target.n_cached < end and (limit is None or fed < limit):
+            # Chunks end at multiples of PREFILL_CHUNK, so that a prompt is cut the same way however
+            # it is fed, a call at a time or whole.
+            stop = min(end, (target.n_cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            before, n = target.forward_time, target.n_cached  # engines time their own forwards
+            target.forward(np.asarray(committed[n:stop]), last=1, scratch=True)  # its logits are not read
             elapsed = target.forward_time - before
             self.stats.prefill_s += elapsed
             self.stats.wall_s += elapsed
+            fed += stop - n
+        if target.n_cached < end:
+            return False
         self._check()
+        return True
 
     def _check(self) -> None:
         n = len(self.committed) - 1

@@ -71,6 +71,10 @@ class Generator:
         self._borrowed: tuple | None = None  # the key of a cost schedule borrowed from the model
         self._own_schedule: CostSchedule | None = None  # seeded: kept by this generator, never shared
         self.stats = Stats(algorithm=self.algorithm)
+        # Prompt positions one generate_next_tokens prefills at most before its round (None: all): a
+        # server that interleaves requests sets it, so that a long prompt does not hold up the
+        # others' rounds (a call then returns no ids until the prompt is cached).
+        self.prefill_slice: int | None = None
 
     # --- input ------------------------------------------------------------------------------------
 
@@ -187,7 +191,8 @@ class Generator:
 
     def generate_next_tokens(self) -> Emitted:
         """One round: the ids it committed and the text that became printable with them (at the end
-        of the reply, with the text held back until then)."""
+        of the reply, with the text held back until then); nothing while a prompt is still being
+        prefilled a slice at a time (prefill_slice)."""
         if self.state == EMPTY:
             raise UsageError("nothing to continue: append a prompt first")
         if self.state == ENDED:
@@ -195,7 +200,8 @@ class Generator:
         dec = self._decoder
         assert dec is not None
         if self.state == READY:
-            dec.prefill()
+            if not dec.prefill(self.prefill_slice):
+                return Emitted([], "")
             self.state = RUNNING
         emitted = dec.step()
         self.ids += emitted.ids

@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edge_sd import GenerationConfig, Generator, Model, Pipeline
+from edge_sd import GenerationConfig, Generator, Model, Pipeline, decoder
+from edge_sd.engines import consistency
 from edge_sd.errors import EdgeSDError, UsageError
 
 from conftest import PROVIDER
@@ -265,3 +267,45 @@ def test_a_drafters_build_is_not_timed_as_drafting(tiny_root: Path, monkeypatch)
     assert model.drafter is not None and model.drafter.session.loaded
     assert rounds and max(r.draft_s for r in rounds) < 0.5
     assert gen.result().stats.time_drafter_s < 0.5
+
+
+LONG = " ".join(["the cat sat on the mat and the dog ran to the park"] * 7)  # about 180 tokens
+
+
+@pytest.mark.parametrize("name", ["greedy-auto", "sampled-auto", "greedy-slem"])
+def test_a_long_prompt_prefilled_a_slice_at_a_time(model: Pipeline, monkeypatch, name: str) -> None:
+    """Chunks of 64 positions (PREFILL_CHUNK, 512 in use, made small for the tiny models' context): a
+    slice a call (as the server feeds it) gives what a whole prefill gives, the calls before the
+    prompt is cached return nothing, and greedy auto equals plain decoding."""
+    monkeypatch.setattr(decoder, "PREFILL_CHUNK", 64)
+    cfg = CONFIGS[name]
+    whole = alone(model, LONG, cfg)
+    gen = model.generator(cfg)
+    gen.prefill_slice = 64
+    gen.append_text(LONG)
+    n = len(gen.ids)
+    assert n > 2 * 64 + 1
+    empty = 0
+    while not gen.is_done:
+        if not gen.generate_next_tokens().ids and not gen.result().token_ids:
+            empty += 1
+    assert gen.result().token_ids == whole and empty == -(-(n - 1) // 64) - 1
+    assert gen.stats.prefilled_tokens == n - 1 and gen.stats.prefill_s > 0
+    if cfg.temperature == 0:
+        assert whole == alone(model, LONG, replace(cfg, algorithm="plain"))
+
+
+def test_a_chunked_prefill_caches_what_a_whole_one_does(model: Pipeline) -> None:
+    """The next position's logits after a prefill in chunks of 64 against one whole prefill: within
+    the bounds two forwards of the same positions keep to (engines/consistency.py)."""
+    ids = np.asarray(model.target.with_bos(model.target.vocab.encode_text(LONG)))
+    chunked, whole = model.target.session.engine(), model.target.session.engine()
+    for start in range(0, len(ids) - 1, 64):
+        chunked.forward(ids[start : min(start + 64, len(ids) - 1)], last=1)
+    whole.forward(ids[:-1], last=1)
+    a, b = chunked.forward(ids[-1:]), whole.forward(ids[-1:])
+    assert consistency.rel(a, b, float(np.abs(b).max())) < consistency.CACHE_RTOL
+    # the comparison fails a prefill that lost one position
+    lost = model.target.session.engine()
+    lost.forward(np.delete(ids[:-1], 100), last=1)
+    assert consistency.rel(lost.forward(ids[-1:]), b, float(np.abs(b).max())) > consistency.CACHE_RTOL

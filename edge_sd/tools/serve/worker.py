@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_sd.config import GenerationConfig
+from edge_sd.decoder import PREFILL_CHUNK
 from edge_sd.generator import Generator
 from edge_sd.model import Model
 
@@ -137,6 +138,7 @@ class Worker:
                 return "failed"
             if job.gen is None:
                 gen = self.model.generator(job.config)
+                gen.prefill_slice = PREFILL_CHUNK  # a long prompt is fed a chunk a turn, between the others' rounds
                 job.feed(gen)
                 job.gen = gen
                 job.send("started", len(gen.ids))
