@@ -198,10 +198,17 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         stderr = proc.communicate(timeout=120)[1]
-    result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": args.pair.name,
+    result = {"date": datetime.date.today().isoformat(), "machine": {**machine(), "vector": vector_extensions()},
+              "pair": args.pair.name,
               "max_new_tokens": args.max_new_tokens, "threads": THREADS, "one_client": rows, "four": groups,
               "load": loaded, "exit_code": proc.returncode, "tracebacks": stderr.count("Traceback")}
     print(write_results(args.out, "serve", report, plot, result))
+
+
+def vector_extensions() -> str:
+    """AVX-512 or AVX2 (ONNX Runtime's and llama.cpp's kernels differ between them)."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "unknown")
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -211,7 +218,8 @@ def _median(rows: list[dict], key: str) -> float:
 def report(result: dict) -> str:
     m = result["machine"]
     lines = ["# edge-sd serve against generating in-process", "",
-             f"{result['date']}; {m['cpu']}, {m['cores']} cores, ONNX Runtime {m['onnxruntime']}; the pair "
+             f"{result['date']}; {m['cpu']} ({m.get('vector', 'vector extensions not recorded')}), {m['cores']} "
+             f"cores, ONNX Runtime {m['onnxruntime']}; the pair "
              f"{result['pair']}, {result['threads']} threads each, {result['max_new_tokens']} new tokens. Command: "
              "`python benchmarks/serve.py`. Rates: new tokens over the time from the request to the last token, "
              "prefill included; medians over prompts.", "",
@@ -238,6 +246,8 @@ def report(result: dict) -> str:
               f"{min(after):.0f}-{max(after):.0f} MB after the first minute, {rss[-1]:.0f} MB at the end. "
               f"The server exited with code {result['exit_code']} on SIGTERM; tracebacks in its log: "
               f"{result['tracebacks']}.", ""]
+    if result.get("note"):
+        lines += [result["note"], ""]
     return "\n".join(lines)
 
 

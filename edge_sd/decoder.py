@@ -25,9 +25,10 @@ from edge_sd.schedules import Round, Schedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
-# Positions a prefill feeds a forward: an attention kernel holds a forward's scores, [heads, fed,
-# cached] floats, so a prompt of thousands of tokens fed whole would take gigabytes for them alone.
-# A multiple of the engines' split (engines/consistency.py), where long forwards are cut anyway.
+# Positions a prefill feeds a forward: a forward's activations grow with the positions it feeds, so
+# chunks bound the memory a long prompt takes (benchmarks/results/prefill.md), and a server feeds a
+# prompt between other requests' rounds a chunk at a time. A multiple of the engines' split
+# (engines/consistency.py), where long forwards are cut anyway.
 PREFILL_CHUNK = 512
 
 

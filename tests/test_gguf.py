@@ -153,7 +153,10 @@ def test_a_gguf_targets_one_position_steps_compute_what_longer_forwards_do(gguf_
 
     target, drafter = (load_engine_manifest(gguf_root / "pair" / r) for r in ("target", "drafter"))
     assert target.previous_row_attention and not drafter.previous_row_attention
-    assert target.min_step_positions == 1 and target.validation["max_rel_diff_single_position"] == 0.0
+    # One position where the export found a one-position step computing what longer forwards do (it
+    # did on AVX-512 CPUs; on an AVX2-only AMD EPYC it did not, and the target steps two)
+    one = target.validation["max_rel_diff_single_position"] == 0.0
+    assert target.min_step_positions == (1 if one else 2)
     assert target.validation["max_rel_diff_steps_vs_forward"] == 0.0
     # The drafter's Q4_1 head: whether a 4-bit row alone rounds otherwise than beside another depends
     # on the CPU's kernels (it did on an AVX2-only AMD EPYC, not on an AVX-512 VNNI Xeon); the manifest
@@ -164,7 +167,7 @@ def test_a_gguf_targets_one_position_steps_compute_what_longer_forwards_do(gguf_
     ids = np.arange(3, 20)
     engine.forward(ids[:-1])
     step = engine.forward(ids[-1:])
-    assert engine._io.get_outputs()[0].shape()[1] == 1  # one position fed, one row of logits
+    assert engine._io.get_outputs()[0].shape()[1] == engine.min_step  # positions fed: one, or two re-fed
     engine.reset()
     np.testing.assert_array_equal(step, engine.forward(ids, last=3)[-1:])
     rng = np.random.default_rng(1)

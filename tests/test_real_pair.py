@@ -84,10 +84,12 @@ def test_manifests(pipe) -> None:
     assert set(q["weights_by_type"]) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
     assert q["lm_head_parts"] == 4  # 262,144 rows in parts of 65,536 (export/logits.py)
     assert q["fused_matmuls"] == 18  # each layer's gate and up projections (both Q5_0), one node
-    # One-position steps agree bit for bit with longer forwards (the attention reads the previous
-    # position back from the cache), so plain steps re-feed nothing.
+    # The attention reads the previous position back from the cache, so that a one-position step can
+    # agree bit for bit with longer forwards: where it did at export (AVX-512 CPUs), plain steps
+    # re-feed nothing; where it did not (an AVX2-only AMD EPYC), they feed two positions.
     assert t.previous_row_attention and not d.previous_row_attention
-    assert t.min_step_positions == 1 and t.validation["max_rel_diff_single_position"] == 0.0
+    one = t.validation["max_rel_diff_single_position"] == 0.0
+    assert t.min_step_positions == (1 if one else 2)
     assert t.validation["max_rel_diff_steps_vs_forward"] == 0.0
     assert d.precision == "int4" and d.vocab_size == 49152
     # Both through the model builder: fused attention with a shared KV buffer.
@@ -192,13 +194,20 @@ def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
     starts at an offset (manifest window_views, engines/kv.py window_offset): every forward's logits
     equal, bit for bit, those of an engine reading the whole cache, across offsets 128 to 384. With
     offsets a multiple of 64 the same comparison finds forwards that differ (the attention kernel sums
-    positions in blocks of 128 on this CPU), so this comparison can fail."""
+    positions in blocks of 128 on an AVX-512 AMD EPYC), so this comparison can fail. Where the export
+    found no exact offset step (granule 0: an AVX2-only AMD EPYC), views at 128 differ too, and the
+    layers read the whole cache."""
     from edge_sd.engines.consistency import WINDOW_GRANULES
 
     views = pipe.target.manifest.window_views
     assert views["layers"] == [i for i in range(18) if i % 6 != 5] and views["window"] == 512
-    assert views["granule"] in WINDOW_GRANULES  # measured at export: the smallest that is exact
     ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=1100)]
+    if views["granule"] == 0:
+        assert pipe.target.engine.window_granule == 0
+        forwards, unequal, offset = _views_against_whole(pipe, 128, ids, 600, 800)
+        assert unequal > 0 and offset > 0
+        return
+    assert views["granule"] in WINDOW_GRANULES  # measured at export: the smallest that is exact
     forwards, unequal, offset = _views_against_whole(pipe, views["granule"], ids, 600, 600 + 3 * views["granule"])
     assert unequal == 0 and forwards > 100 and offset >= 2 * views["granule"]
     forwards, unequal, offset = _views_against_whole(pipe, 64, ids, 600, 800)
@@ -219,7 +228,6 @@ def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
         plain, gaps = plain_greedy(pipe, ids, NEW_TOKENS)
     finally:
         engine.window_granule = granule
-    assert granule > 0
     for algo in ("auto", "slem"):
         g = pipe.generator(GenerationConfig(max_new_tokens=NEW_TOKENS, algorithm=algo))
         g.append_tokens(ids)
@@ -227,10 +235,11 @@ def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
         while not g.is_done:
             out += g.generate_next_tokens().ids
         assert_same_or_near_tie(out, plain, gaps, f"real/{algo}/long prompt", is_exact(pipe))
-        assert g.target.released >= 256  # views from 256 (granule 128) or further on
+        # views from 256 (granule 128) or further on; none where the export found no exact offset step
+        assert g.target.released >= 256 if granule else g.target.released == 0
     g.rewind_to(400)
     g.append_tokens(ids[400:700])
-    assert g.target.n_cached == 0  # what it held from 400 on needs positions it gave back
+    assert g.target.n_cached == (0 if granule else 399)  # what it held from 400 on needs positions it gave back
     out = []
     while not g.is_done:
         out += g.generate_next_tokens().ids

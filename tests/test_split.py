@@ -21,7 +21,9 @@ from edge_sd.engines.ort import OrtEngine
 
 
 def test_a_forward_across_a_split_runs_as_one_position_steps_meet_it(gguf_root: Path) -> None:
-    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)
+    """Which forwards run, with one-position steps (what a gguf target steps where the CPU's kernels
+    allow: below, test_forwards_across_64_positions_agree_with_plain_steps)."""
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=1)
     assert engine.min_step == 1 and engine.manifest.previous_row_attention and ort_engine.SPLIT_AT == 64
     ids = list(range(3, 3 + 80))
     engine.forward(np.asarray(ids[:62]))
@@ -101,13 +103,14 @@ def record_fed(engine: OrtEngine) -> list[list[int]]:
 
 @pytest.mark.parametrize("steps", [None, 2])
 def test_forwards_across_64_positions_agree_with_plain_steps(gguf_root: Path, steps: int | None) -> None:
-    """Steps of one position (the target as exported) or two (the same graph re-feeding)."""
+    """Steps as the export measured them on this CPU (one position where a one-position step computes
+    what longer forwards do: AVX-512 CPUs; else two), or two (the same graph re-feeding)."""
     from edge_sd.engines.consistency import across_split
 
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=steps)
     ids = [int(i) for i in np.random.default_rng(0).integers(3, engine.manifest.vocab_size, size=140)]
     assert across_split(engine, ids, range(14, 140)) == 0.0
-    assert engine.min_step == (steps or 1)
+    assert engine.min_step == (steps or engine.manifest.min_step_positions)
 
 
 def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Path, monkeypatch) -> None:
@@ -115,7 +118,7 @@ def test_export_and_load_checks_measure_forwards_across_the_split(gguf_root: Pat
     steps-against-forward figure: 0 on the tiny target, and it sees forwards that compute otherwise."""
     from edge_sd.engines import consistency
 
-    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=1)
+    engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2)  # steps as measured
     ids = np.random.default_rng(1).integers(3, engine.manifest.vocab_size, size=consistency.SPLIT_IDS)
     assert consistency.across_split(engine, ids) == 0.0
     assert engine.n_cached == 0
