@@ -92,8 +92,10 @@ def prompt_list(per_set: int, skip: int) -> list[tuple[str, str]]:
 def _edge(pipe: Pipeline, prompt: str, n: int, algorithm: str, mode: str, seed: int) -> dict:
     r = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm=algorithm, seed=seed,
                                                **dataclasses.asdict(SAMPLING[mode])))
-    decode = r.stats.wall_s - r.stats.prefill_s
-    return {"tokens": r.stats.new_tokens, "decode_s": decode, "rate": r.stats.new_tokens / decode,
+    # After the prefill, whose last row gave the first token: llama.cpp's `eval` runs likewise leave
+    # out the token its prompt's forward gave.
+    s = r.stats
+    return {"tokens": s.decoded_tokens, "decode_s": s.decode_s, "rate": s.decoded_tokens / s.decode_s,
             "ids": r.token_ids, "schedule": r.stats.schedule.get("rounds", {})}
 
 

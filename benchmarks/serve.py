@@ -7,7 +7,8 @@
    generation in this process (Model + Generator, what `edge-sd generate` runs) and a streamed
    /v1/completions request to a server on the same pair, interleaved. Rate: new tokens over the time
    from the request to its last token, prefill included, on both sides. Time to first token: from the
-   request to the first streamed text, beside the prefill the server reports.
+   request to the first streamed text, beside the in-process one and the prefill the server reports.
+   Each client keeps one HTTP connection pool across its requests, as an app keeps its SDK's.
 2. Four clients at once, greedy, each its own prompt: their total rate against the same four prompts
    one client after the other; each stream's text against the one it got alone.
 3. Load: 16 streaming clients in a loop for `--load-seconds` (the server takes 4 at once and queues
@@ -64,12 +65,14 @@ def start_server(pair: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server did not start: {proc.communicate()[1][-2000:]}")
 
 
-def stream(url: str, prompt: str, max_tokens: int, mode: str, seed: int) -> dict:
-    """One streamed completion: its text, times and the server's statistics."""
+def stream(client: httpx.Client, url: str, prompt: str, max_tokens: int, mode: str, seed: int) -> dict:
+    """One streamed completion: its text, times and the server's statistics. client: kept across
+    requests, as an app keeps its SDK's (a new httpx client loads its TLS settings first, about 0.1 s
+    here, which is the client's cost, not the server's)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "seed": seed, "stream": True, **MODES[mode]}
     start = time.perf_counter()
     first, text, stats = None, [], {}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             return {"status": r.status_code, "error": r.read().decode()[:200]}
         for line in r.iter_lines():
@@ -91,46 +94,53 @@ def alone(model: Model, prompt: str, max_tokens: int, mode: str, seed: int) -> d
     m = {("repetition_penalty" if k == "repeat_penalty" else k): v for k, v in MODES[mode].items()}
     gen = model.generator(GenerationConfig(max_new_tokens=max_tokens, seed=seed, **m))
     start = time.perf_counter()
+    first = None
     gen.append_text(prompt)
     while not gen.is_done:
-        gen.generate_next_tokens()
+        if gen.generate_next_tokens().text and first is None:
+            first = time.perf_counter() - start
     r = gen.result()
-    return {"text": r.text, "s": time.perf_counter() - start, "tokens": len(r.token_ids),
+    return {"text": r.text, "s": time.perf_counter() - start, "tokens": len(r.token_ids), "ttft_s": first,
             "prefill_s": r.stats.prefill_s}
 
 
-def one_client(model: Model, url: str, prompts: list, max_tokens: int) -> list[dict]:
+def one_client(model: Model, client: httpx.Client, url: str, prompts: list, max_tokens: int) -> list[dict]:
     rows = []
     for i, p in enumerate(prompts):
         for mode in MODES:
             runs = {}
             order = ("server", "in-process") if i % 2 else ("in-process", "server")
             for side in order:
-                runs[side] = (stream(url, p.text, max_tokens, mode, i) if side == "server"
+                runs[side] = (stream(client, url, p.text, max_tokens, mode, i) if side == "server"
                               else alone(model, p.text, max_tokens, mode, i))
             s, a = runs["server"], runs["in-process"]
             rows.append({"set": p.set, "prompt": p.id, "mode": mode, "server_tps": s["tokens"] / s["s"],
-                         "inproc_tps": a["tokens"] / a["s"], "ttft_s": s["ttft_s"], "prefill_s": s["prefill_s"],
+                         "inproc_tps": a["tokens"] / a["s"], "ttft_s": s["ttft_s"], "inproc_ttft_s": a["ttft_s"],
+                         "prefill_s": s["prefill_s"],
                          "equal": s["text"] == a["text"], "tokens": s["tokens"]})
             print(f"{p.id:>14} {mode:6} server {rows[-1]['server_tps']:6.1f} tok/s, in-process "
-                  f"{rows[-1]['inproc_tps']:6.1f}; first token {1e3 * (s['ttft_s'] or 0):.0f} ms, prefill "
+                  f"{rows[-1]['inproc_tps']:6.1f}; first text {1e3 * (s['ttft_s'] or 0):.0f} ms (in-process "
+                  f"{1e3 * (a['ttft_s'] or 0):.0f}), prefill "
                   f"{1e3 * s['prefill_s']:.0f} ms; equal {rows[-1]['equal']}", flush=True)
     return rows
 
 
 def four_at_once(url: str, prompts: list, max_tokens: int) -> list[dict]:
     groups = []
+    clients = [httpx.Client() for _ in range(4)]  # one each: four apps
     for g in range(0, len(prompts) - 3, 4):
         group = prompts[g:g + 4]
-        solo = [stream(url, p.text, max_tokens, "greedy", 0) for p in group]
+        solo = [stream(clients[0], url, p.text, max_tokens, "greedy", 0) for p in group]
         start = time.perf_counter()
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: stream(url, p.text, max_tokens, "greedy", 0), group))
+            got = list(pool.map(lambda c, p: stream(c, url, p.text, max_tokens, "greedy", 0), clients, group))
         wall = time.perf_counter() - start
         groups.append({"prompts": [p.id for p in group], "solo_tps": sum(r["tokens"] for r in solo) /
                        sum(r["s"] for r in solo), "together_tps": sum(r["tokens"] for r in got) / wall,
                        "equal": sum(a["text"] == b["text"] for a, b in zip(solo, got, strict=True))})
         print(f"four at once: {groups[-1]}", flush=True)
+    for c in clients:
+        c.close()
     return groups
 
 
@@ -149,9 +159,10 @@ def load(url: str, pid: int, prompts: list, max_tokens: int, seconds: float) -> 
 
     def client(i: int) -> None:
         n = 0
+        http = httpx.Client()
         while time.monotonic() < end:
             mode = "greedy" if i % 2 else "chat"
-            r = stream(url, prompts[(i + n) % len(prompts)].text, max_tokens, mode, i)
+            r = stream(http, url, prompts[(i + n) % len(prompts)].text, max_tokens, mode, i)
             key = str(r["status"]) + (" (error event)" if r["status"] == 200 and "error" in r else "")
             with lock:
                 statuses[key] = statuses.get(key, 0) + 1
@@ -159,6 +170,7 @@ def load(url: str, pid: int, prompts: list, max_tokens: int, seconds: float) -> 
             if r["status"] in (429, 503):
                 time.sleep(1.0)
             n += 1
+        http.close()
 
     memory = []
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
@@ -188,11 +200,12 @@ def main() -> None:
     prompts = [p for s in ("code", "summarisation") for p in prompt_sets.load(s, cache_dir(), args.per_set)]
     model = Model.load(args.pair, threads=THREADS)
     proc, url = start_server(args.pair)
+    client = httpx.Client()
     try:
         for p in prompts[:2]:  # warm both sides up (first forwards, the drafter's session)
-            stream(url, p.text, 8, "greedy", 0)
+            stream(client, url, p.text, 8, "greedy", 0)
             alone(model, p.text, 8, "greedy", 0)
-        rows = one_client(model, url, prompts, args.max_new_tokens)
+        rows = one_client(model, client, url, prompts, args.max_new_tokens)
         groups = four_at_once(url, prompts, args.max_new_tokens)
         loaded = load(url, proc.pid, prompts, args.max_new_tokens, args.load_seconds)
     finally:
@@ -222,14 +235,17 @@ def report(result: dict) -> str:
              f"cores, ONNX Runtime {m['onnxruntime']}; the pair "
              f"{result['pair']}, {result['threads']} threads each, {result['max_new_tokens']} new tokens. Command: "
              "`python benchmarks/serve.py`. Rates: new tokens over the time from the request to the last token, "
-             "prefill included; medians over prompts.", "",
-             "| mode | prompts | server tok/s | in-process tok/s | server / in-process | first token (ms) | "
-             "prefill (ms) | texts equal |", "|---|---|---|---|---|---|---|---|"]
+             "prefill included; medians over prompts. First text: from the request to the first text streamed "
+             "(in-process: returned by `generate_next_tokens`); one HTTP client kept across requests.", "",
+             "| mode | prompts | server tok/s | in-process tok/s | server / in-process | first text, server (ms) | "
+             "first text, in-process (ms) | prefill (ms) | texts equal |", "|---|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         rows = [r for r in result["one_client"] if r["mode"] == mode]
         ratio = statistics.median(r["server_tps"] / r["inproc_tps"] for r in rows)
+        inproc = f"{1e3 * _median(rows, 'inproc_ttft_s'):.0f}" if all(r.get("inproc_ttft_s") for r in rows) else "n/a"
         lines.append(f"| {mode} | {len(rows)} | {_median(rows, 'server_tps'):.1f} | {_median(rows, 'inproc_tps'):.1f} "
-                     f"| {ratio:.3f}x | {1e3 * _median(rows, 'ttft_s'):.0f} | {1e3 * _median(rows, 'prefill_s'):.0f} "
+                     f"| {ratio:.3f}x | {1e3 * _median(rows, 'ttft_s'):.0f} | {inproc} "
+                     f"| {1e3 * _median(rows, 'prefill_s'):.0f} "
                      f"| {sum(r['equal'] for r in rows)} of {len(rows)} |")
     lines += ["", "Four clients at once (greedy, each its own prompt) against the same four one after the other:", "",
               "| prompts | one at a time tok/s | four at once tok/s | ratio | texts equal to alone |",

@@ -66,33 +66,58 @@ class Decoder:
         # Logits may be wider than the tokenizer (padded embedding matrices): padding ids never win.
         self.width = target.manifest.scored_ids
         self._drafter0 = self._drafter_counters()
-        self._prefill_begun = False
+        self._prefill_end: int | None = None  # where the prefill stops: the committed ids, or all but the last
+        self._first: Emitted | None = None  # the first token, drawn from the prefill's last row
 
     def prefill(self, limit: int | None = None) -> bool:
-        """Cache what is not cached yet of the committed ids but the last (the first round feeds it),
-        PREFILL_CHUNK positions a forward; with `limit`, about that many positions now (a chunk at
-        least). True once all of it is cached."""
+        """Cache what is not cached yet of the committed ids, PREFILL_CHUNK positions a forward; with
+        `limit`, about that many positions now (a chunk at least). True once all of it is cached.
+
+        The last id is fed too where more than it is uncached: the last chunk's last row then gives
+        the reply's first token (the next `step` returns it), as llama.cpp and Hugging Face's
+        generate take it, so that the first token costs no forward of its own. A reply whose ids
+        but the last are cached already (one new id) starts with a round, which feeds it."""
         committed, target = self.committed, self.target
-        end = len(committed) - 1
-        if not self._prefill_begun:
-            self._prefill_begun = True
-            self.stats.prompt_tokens = len(committed)
-            self.stats.prefilled_tokens = max(0, end - target.n_cached)
-        fed = 0
+        if self._prefill_end is None:
+            n = len(committed)
+            # Fixed here, so that a prompt is cut the same way however it is fed, a call at a time or whole.
+            self._prefill_end = n if target.n_cached < n - 1 else n - 1
+            self.stats.prompt_tokens = n
+            self.stats.prefilled_tokens = self._prefill_end - target.n_cached
+        end = self._prefill_end
+        fed, row = 0, None
         while target.n_cached < end and (limit is None or fed < limit):
-            # Chunks end at multiples of PREFILL_CHUNK, so that a prompt is cut the same way however
-            # it is fed, a call at a time or whole.
+            # Chunks end at multiples of PREFILL_CHUNK.
             stop = min(end, (target.n_cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
             before, n = target.forward_time, target.n_cached  # engines time their own forwards
-            target.forward(np.asarray(committed[n:stop]), last=1, scratch=True)  # its logits are not read
+            row = target.forward(np.asarray(committed[n:stop]), last=1, scratch=True)
             elapsed = target.forward_time - before
             self.stats.prefill_s += elapsed
             self.stats.wall_s += elapsed
             fed += stop - n
         if target.n_cached < end:
             return False
-        self._check()
+        if end == len(committed):
+            assert row is not None  # the call that feeds the last chunk gets here
+            self._first = self._first_token(row)
+        else:
+            self._check()
         return True
+
+    def _first_token(self, row: np.ndarray) -> Emitted:
+        """The reply's first token, from the logits of the prompt's last position (read before the
+        target's next forward: the engine's scratch buffer)."""
+        start = time.perf_counter()
+        logits = row[:, : self.width]
+        rows = Rows(logits, self.cfg, self.cfg.window(self.committed), [])
+        if self.cfg.greedy:
+            _, nxt = verify_greedy([], rows.penalized() if self.cfg.penalized else logits)
+        else:
+            nxt = draw(logits[0], self.cfg, self.rng, rows.history)
+        new, text = self._commit([nxt])
+        self.stats.prefill_emitted = len(new)
+        self.stats.wall_s += time.perf_counter() - start
+        return self._emitted(new, text)
 
     def _check(self) -> None:
         n = len(self.committed) - 1
@@ -103,7 +128,11 @@ class Decoder:
 
     def step(self) -> Emitted:
         """One round: emits 1 + accepted tokens (fewer at a stop), or only the text held back when the
-        generation has ended. Call while `stream.done` is false."""
+        generation has ended; first, the token the prefill drew, where it drew one. Call while
+        `stream.done` is false."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         round_start = time.perf_counter()
         target, stream, committed = self.target, self.stream, self.committed
         max_ctx = target.manifest.max_context
@@ -142,18 +171,27 @@ class Decoder:
             a, nxt = verify(cands, q, rows, self.rng)
         target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
         self.stats.count_round(len(cands), a, target_s)
-        new, text = stream.push(cands[:a] + [nxt])
-        committed += new
-        for reader in self.readers:
-            reader.follow(committed)
-        if self.drafter is not None and not stream.done:
-            self.drafter.sync(stream.generated)
+        new, text = self._commit(cands[:a] + [nxt])
         rest_s = time.perf_counter() - round_start - target_s - draft_s
         caught = (draft.catch_up_s, draft.caught_up) if draft is not None else (0.0, 0)
         self.schedule.observe(plan, Round(len(cands), a, target_s, draft_s, rest_s,
                                           len(stream.vocab.ids_bytes(cands[:a])), *caught))
         self.stats.wall_s += time.perf_counter() - round_start
-        if stream.done:
+        return self._emitted(new, text)
+
+    def _commit(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Push tokens through the stream (up to a stop); the ids committed go to the proposers that
+        read them, and their text to the drafter."""
+        new, text = self.stream.push(tokens)
+        self.committed += new
+        for reader in self.readers:
+            reader.follow(self.committed)
+        if self.drafter is not None and not self.stream.done:
+            self.drafter.sync(self.stream.generated)
+        return new, text
+
+    def _emitted(self, new: list[int], text: str) -> Emitted:
+        if self.stream.done:
             return Emitted(new, text + self.finish("context").text)
         return Emitted(new, text)
 

@@ -167,7 +167,9 @@ class Generator:
 
     def _cut(self, n: int) -> None:
         del self.ids[n:]
-        self.target.truncate(max(0, n - 1))
+        # The cache may keep all n: appending (what comes next) cuts it to a prefix of the sequence
+        # that leaves at least the last id to feed.
+        self.target.truncate(min(self.target.n_cached, n))
         self.reply_start = n
 
     def stop(self, reason: str = "stopped") -> Emitted:

@@ -10,7 +10,10 @@ class Stats:
     """Statistics of one generation.
 
     target_forwards counts the decoding rounds (one target forward each); the prompt's prefill is
-    counted apart (prefill_s), so tokens_per_target_forward is new tokens per verification forward.
+    counted apart (prefill_s), and so is the first token where the prefill's last row gave it
+    (prefill_emitted), so tokens_per_target_forward is the rounds' tokens per verification forward
+    (1.0 for plain decoding) and decoded_tokens / decode_s the rate after the prefill, as llama.cpp
+    counts its `eval` runs.
     """
 
     algorithm: str = "plain"
@@ -18,6 +21,7 @@ class Stats:
     prompt_tokens: int = 0  # the sequence before the reply (a conversation's earlier turns included)
     prefilled_tokens: int = 0  # of those, fed at the start of the reply (the rest was cached already)
     new_tokens: int = 0
+    prefill_emitted: int = 0  # of new_tokens, drawn from the prefill's last row (0 or 1)
     target_forwards: int = 0
     drafter_forwards: int = 0
     proposed: int = 0
@@ -42,8 +46,18 @@ class Stats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
+    def decoded_tokens(self) -> int:
+        """New tokens the rounds emitted (the prefill's first token left out)."""
+        return self.new_tokens - self.prefill_emitted
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds after the prefill."""
+        return self.wall_s - self.prefill_s
+
+    @property
     def tokens_per_target_forward(self) -> float:
-        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        return self.decoded_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def time_other_s(self) -> float:
@@ -55,7 +69,8 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for key in ("acceptance_rate", "tokens_per_target_forward", "time_other_s", "tokens_per_second"):
+        for key in ("acceptance_rate", "decoded_tokens", "tokens_per_target_forward", "time_other_s",
+                    "tokens_per_second"):
             d[key] = getattr(self, key)
         return d
 

@@ -28,8 +28,8 @@ def finish(gen) -> None:
 
 @pytest.mark.parametrize("pair", ["gemma_qwen", "llama_qwen"])
 def test_each_turn_prefills_only_what_is_new(tiny_root: Path, pair: str) -> None:
-    """Turn after turn, the target feeds the template's rendering of the new turn (and the reply's last
-    token) alone, and the reply is what a fresh generator gives from the same ids."""
+    """Turn after turn, the target's prefill feeds the template's rendering of the new turn (and the
+    reply's last token) alone, and the reply is what a fresh generator gives from the same ids."""
     model = Pipeline.from_folder(tiny_root / "pairs" / pair, provider=PROVIDER, threads=2)
     cfg = GenerationConfig(max_new_tokens=12)
     gen = model.generator(cfg)
@@ -41,7 +41,7 @@ def test_each_turn_prefills_only_what_is_new(tiny_root: Path, pair: str) -> None
         s = gen.stats
         assert s.prompt_tokens == len(gen.ids) - len(gen.result().token_ids)
         if i:
-            assert s.prefilled_tokens == new, (turn, s.prefilled_tokens, new)  # new ids and the reply's last
+            assert s.prefilled_tokens == new + 1, (turn, s.prefilled_tokens, new)  # new ids and the reply's last
         fresh = model.generator(cfg)
         fresh.append_tokens(gen.ids[: gen.reply_start])
         finish(fresh)
@@ -59,7 +59,7 @@ def test_chat_command_piped(tiny_root: Path) -> None:
     assert len(stats) == 3 and "(new conversation)" in r.stderr
     prefilled = [int(ln.split("prefilled ")[1].split(" of ")[0]) for ln in stats]
     totals = [int(ln.split(" of ")[-1]) for ln in stats]
-    assert prefilled[1] < totals[1] and prefilled[2] == totals[2] - 1  # continued, then anew
+    assert prefilled[1] < totals[1] and prefilled[2] == totals[2]  # continued, then anew (the whole of it)
 
 
 def test_chat_command_without_a_template(tiny_root: Path, tmp_path: Path) -> None:

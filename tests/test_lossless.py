@@ -179,17 +179,35 @@ def exact_two_token_distribution(pipe: Pipeline, prompt_ids: list[int], cfg: Sam
     return out
 
 
-def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "A small robot") -> tuple:
+def first_round(pipe: Pipeline, ids: list[int], cfg: GenerationConfig):
+    """A reply to `ids` that starts with a round: the ids but the last cached first (a sequence
+    continued by one id starts so), so that its first round verifies candidates for the first tokens.
+    A prompt's prefill draws the first token itself (`from_prefill` below)."""
+    gen = pipe.generator(cfg)
+    gen.append_tokens(ids[:-1])
+    gen.generate_next_tokens()  # caches ids[:-1] (and draws a token, dropped by the rewind)
+    gen.rewind_to(len(ids) - 1)
+    gen.append_tokens(ids[-1:])
+    while not gen.is_done:
+        gen.generate_next_tokens()
+    assert gen.stats.prefilled_tokens == 0
+    return gen.result()
+
+
+def two_token_tv(pipe: Pipeline, algo: str, cfg: SamplingConfig, prompt: str = "A small robot",
+                 from_prefill: bool = False) -> tuple:
     """(TV between sampled and exact first-two-token distributions, its bound, accepted candidates,
-    samples outside the exact support). Pairs outside the support count as one more category."""
+    samples outside the exact support). Pairs outside the support count as one more category.
+    Replies start with a round (first_round); from_prefill: as `generate` runs them, the first
+    token drawn from the prefill's last row, the second by the first round."""
     ids = pipe.target.prompt_ids(prompt, False)  # a context where these drafters are often right
     exact = exact_two_token_distribution(pipe, ids, cfg)
     counts: dict = {}
     accepted = 0
     for seed in range(SAMPLES):
         # Three tokens, so that two candidates are verified in the first round (k <= remaining - 1).
-        r = pipe.generate(prompt, GenerationConfig(max_new_tokens=3, seed=seed, algorithm=algo, lookahead=3,
-                                                   **dataclasses.asdict(cfg)))
+        gen = GenerationConfig(max_new_tokens=3, seed=seed, algorithm=algo, lookahead=3, **dataclasses.asdict(cfg))
+        r = pipe.generate(prompt, gen) if from_prefill else first_round(pipe, ids, gen)
         key = tuple(r.token_ids[:2])
         counts[key] = counts.get(key, 0) + 1
         accepted += r.stats.accepted
@@ -218,6 +236,18 @@ def test_sampling_matches_plain_distribution(pipelines, pair: str, algo: str, wa
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
     if algo != "ar":
         assert accepted > 0  # candidates were accepted, so the acceptance path was exercised
+
+
+@pytest.mark.parametrize("pair,algo,warp_name", [("gemma_qwen", "tli", "T1-top4"), ("gemma_qwen", "ar", "chain"),
+                                                 ("llama_sp2", "slem", "chain")])
+def test_sampling_from_the_prefill_matches_plain_distribution(pipelines, pair: str, algo: str,
+                                                              warp_name: str) -> None:
+    """As `generate` samples: the first token from the prefill's last row (penalties over the prompt),
+    the second from the first round."""
+    tv, bound, accepted, outside = two_token_tv(pipelines[pair], algo, WARPS[warp_name], from_prefill=True)
+    assert outside == 0 and tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+    if algo != "ar":
+        assert accepted > 0
 
 
 @pytest.mark.parametrize("pair,algo", [("gemma_qwen", "tli"), ("gemma_qwen", "slrs")])
@@ -621,7 +651,7 @@ def test_chains_greedy_equal_plain(pipelines, references, monkeypatch, algo: str
             assert_text_is_the_ids(pipe, r)
             proposed, accepted = proposed + r.stats.proposed, accepted + r.stats.accepted
             forwards += r.stats.drafter_forwards
-    assert sum(taken) > 10 and forwards > 0 and 0 < accepted < proposed
+    assert sum(taken) >= 5 and forwards > 0 and 0 < accepted < proposed
 
 
 @pytest.mark.parametrize("pair,algo", [("llama_qwen", "lookup+tli"), ("llama_sp2", "lookup+slem"),

@@ -75,8 +75,7 @@ def edge_decode(pipe, prompt: str, n: int) -> dict:
     from edge_sd import GenerationConfig
 
     r = pipe.generate(prompt, GenerationConfig(max_new_tokens=n, algorithm="ar"))
-    decode = r.stats.wall_s - r.stats.prefill_s
-    return {"tokens": r.stats.new_tokens, "decode_s": decode, "other_s": r.stats.time_other_s,
+    return {"tokens": r.stats.decoded_tokens, "decode_s": r.stats.decode_s, "other_s": r.stats.time_other_s,
             "prompt_ids": r.prompt_ids, "token_ids": r.token_ids}
 
 

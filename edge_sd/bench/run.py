@@ -272,8 +272,10 @@ def _run_edge(pipe: Pipeline, prompt: prompt_sets.Prompt, cfg: Config, max_new: 
         engine="edge-sd", mode=cfg.mode, algorithm=cfg.algorithm, k=cfg.k, prompt=prompt.id, schedule=cfg.schedule,
         new_tokens=s.new_tokens, wall_s=wall, prefill_s=s.prefill_s,
         target_s=s.time_target_s + s.prefill_s, drafter_s=s.time_drafter_s,
-        target_forwards=s.target_forwards, proposed=s.proposed, accepted=s.accepted, token_ids=res.token_ids,
-        keep=cfg.keep,
+        # The prefill's last forward gave the first token: counted, as transformers' hook counts its
+        # prompt's call.
+        target_forwards=s.target_forwards + s.prefill_emitted, proposed=s.proposed, accepted=s.accepted,
+        token_ids=res.token_ids, keep=cfg.keep,
     )
 
 
