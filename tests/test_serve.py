@@ -181,6 +181,20 @@ def test_the_prompt_beyond_the_context_in_completions(server: Server) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
 
 
+def test_a_body_beyond_the_limit_is_refused_and_the_next_request_is_served(server: Server) -> None:
+    """413 with an error object, whether the length is declared or the body is sent in chunks."""
+    from edge_sd.tools.serve.app import MAX_BODY
+
+    big = json.dumps({"prompt": "x" * (MAX_BODY + 1)}).encode()
+    declared = httpx.post(server.url + "/v1/completions", content=big, timeout=60)
+    chunked = httpx.post(server.url + "/v1/completions", content=iter([big[:1000], big[1000:]]), timeout=60)
+    for response in (declared, chunked):
+        assert response.status_code == 413, response.text
+        assert str(MAX_BODY) in response.json()["error"]["message"]
+    ok = server.post("/v1/completions", {"prompt": "the cat", "max_tokens": 4})
+    assert ok.status_code == 200
+
+
 def test_unknown_routes_and_methods_are_error_objects(server: Server) -> None:
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
     response = httpx.get(server.url + "/v1/chat/completions")
