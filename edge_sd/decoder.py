@@ -108,12 +108,7 @@ class Decoder:
         """The reply's first token, from the logits of the prompt's last position (read before the
         target's next forward: the engine's scratch buffer)."""
         start = time.perf_counter()
-        logits = row[:, : self.width]
-        rows = Rows(logits, self.cfg, self.cfg.window(self.committed), [])
-        if self.cfg.greedy:
-            _, nxt = verify_greedy([], rows.penalized() if self.cfg.penalized else logits)
-        else:
-            nxt = draw(logits[0], self.cfg, self.rng, rows.history)
+        _, nxt = self._verify(row[:, : self.width], [], verify_standard, None)
         new, text = self._commit([nxt])
         self.stats.prefill_emitted = len(new)
         self.stats.wall_s += time.perf_counter() - start
@@ -159,16 +154,9 @@ class Decoder:
         fed = np.asarray([committed[-1]] + [max(c, 0) for c in cands])
         logits = target.forward(fed, scratch=True)[:, : self.width]
         target_s = target.forward_time - before  # logits: [m+1, V]
-        # Row i's penalties count the committed tokens and the candidates before it.
-        rows = Rows(logits, self.cfg, self.cfg.window(committed), cands)
-        if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
-            a, nxt = verify_greedy(cands, rows.penalized() if self.cfg.penalized else logits)
-        elif not cands:  # a plain sampled step
-            a, nxt = 0, draw(logits[0], self.cfg, self.rng, rows.history)
-        else:
-            verify = plan.proposer.verifier if plan.proposer else verify_standard
-            q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
-            a, nxt = verify(cands, q, rows, self.rng)
+        verifier = plan.proposer.verifier if plan.proposer else verify_standard
+        q = draft.q[: len(cands)] if draft is not None and draft.q is not None else None
+        a, nxt = self._verify(logits, cands, verifier, q)
         target.truncate(n + a)  # keeps x_n and the accepted candidates; nxt is fed next round
         self.stats.count_round(len(cands), a, target_s)
         new, text = self._commit(cands[:a] + [nxt])
@@ -178,6 +166,17 @@ class Decoder:
                                           len(stream.vocab.ids_bytes(cands[:a])), *caught))
         self.stats.wall_s += time.perf_counter() - round_start
         return self._emitted(new, text)
+
+    def _verify(self, logits: np.ndarray, cands: list[int], verifier, q: np.ndarray | None) -> tuple[int, int]:
+        """(candidates accepted, the token after them) from the target's logits over x_n and the
+        candidates; no candidates: a plain step."""
+        # Row i's penalties count the committed tokens and the candidates before it.
+        rows = Rows(logits, self.cfg, self.cfg.window(self.committed), cands)
+        if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
+            return verify_greedy(cands, rows.penalized() if self.cfg.penalized else logits)
+        if not cands:  # a plain sampled step
+            return 0, draw(logits[0], self.cfg, self.rng, rows.history)
+        return verifier(cands, q, rows, self.rng)
 
     def _commit(self, tokens: list[int]) -> tuple[list[int], str]:
         """Push tokens through the stream (up to a stop); the ids committed go to the proposers that
