@@ -116,6 +116,12 @@ class EngineManifest:
     quantization: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def kv_bytes_per_position(self) -> int:
+        """What one cached position takes: a key and a value per layer. The shared layout commits
+        pages only as positions are written, so a cache of n positions holds about n times this."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (2 if self.kv_dtype == "float16" else 4)
+
+    @property
     def scored_ids(self) -> int:
         """How many token ids have both a logit and a token: logits may be wider than the tokenizer (a
         padded LM head) or narrower (Gemma 3's tokenizer has one token more than its head)."""

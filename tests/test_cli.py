@@ -316,6 +316,16 @@ def test_tables_are_whole_when_piped(tiny_root: Path) -> None:
     assert "| previous_row_attention | False | False |" in r.stdout  # fp32 engines: steps as exported
     data = json.loads(run("inspect", str(pair), "--json").stdout)
     assert data["target"]["name"] == "sp_gemma" and data["pair"]["same_vocabulary"] is False
+    # The KV memory a cache takes: a key and a value of num_kv_heads x head_dim per layer and position
+    per_position = {}
+    for role in ("target", "drafter"):
+        m = data[role]
+        per_position[role] = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * {"float32": 4, "float16": 2}[
+            m["kv_dtype"]]
+        assert m["kv_bytes_per_position"] == per_position[role]
+    assert f"| KV cache per position | {per_position['target']:,} B | {per_position['drafter']:,} B |" in r.stdout
+    at_max = [f"{per_position[role] * data[role]['max_context'] / 1e6:,.1f} MB" for role in ("target", "drafter")]
+    assert f"| KV cache at max_context | {at_max[0]} | {at_max[1]} |" in r.stdout
 
 
 # A bounded fuzz of each command's options: odd values (negative, zero, huge, not numbers, not UTF-8)

@@ -562,7 +562,8 @@ def inspect(
         if as_json:
             import dataclasses
 
-            data = {role: dataclasses.asdict(m) for role, m in manifests.items()}
+            data = {role: dataclasses.asdict(m) | {"kv_bytes_per_position": m.kv_bytes_per_position}
+                    for role, m in manifests.items()}
             if pm is not None:
                 data["pair"] = dataclasses.asdict(pm)
             sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
@@ -578,6 +579,9 @@ def inspect(
         rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
         rows.append(["chat template from", *(m.exporter.get("chat_template", "not recorded")
                                              for m in manifests.values())])
+        rows.append(["KV cache per position", *(f"{m.kv_bytes_per_position:,} B" for m in manifests.values())])
+        rows.append(["KV cache at max_context", *(f"{m.kv_bytes_per_position * m.max_context / 1e6:,.1f} MB"
+                                                  for m in manifests.values())])
         rows.append(["size MB", *(f"{sum(e.bytes for e in m.files) / 1e6:.1f}" for m in manifests.values())])
         from edge_sd.engines import prepared
 
