@@ -304,9 +304,48 @@ def test_window_views_read_the_same_cache_from_an_offset(tiny_root: Path, tmp_pa
         x, y = a.forward([t]), b.forward([t])
         worst = max(worst, float(np.abs(x - y).max()) / float(np.abs(x).max()))
     assert b.view_offset >= 128 and worst < consistency.CACHE_RTOL
-    # The export measures the views' step within the context (256 positions): none of its candidates
-    # fits a window of 16 there, so the copy's views stay off.
-    assert consistency.window_granule(b, rng, 400) == 0 and b.window_granule == 0
+    # The export measures the views' step within the context (256 positions): 64 is the one candidate
+    # whose three steps past a window of 16 fit there, and it leaves the engine with views off.
+    assert consistency.window_granule(b, rng, 400) in (0, 64) and b.window_granule == 0
+
+
+def test_no_window_granule_is_measured_past_the_context(
+        tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A granule whose measurement would run past max_context is not tried: views stay off."""
+    from edge_sd.engines import consistency
+
+    _, viewed = _gemma_with_views(tiny_root, tmp_path)
+    b = OrtEngine(viewed, provider="cpu", threads=2)
+    monkeypatch.setattr(consistency, "WINDOW_GRANULES", (128, 256))
+    assert consistency.window_granule(b, np.random.default_rng(5), 400) == 0
+    assert b.window_granule == 0 and b.view_offset == 0
+
+
+def test_the_window_granule_is_measured_against_an_engine_that_steps_alike(
+        tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """consistency.window_granule compares the viewed engine with one over the whole cache that feeds
+    the same minimum positions per forward and LM-head rows: export measures the views after it has
+    set the engine's steps (two positions where single ones take other kernels), and a reference left
+    at its session's single positions differed from it on every forward, so that no granule was found
+    exact on CPUs where one is."""
+    from edge_sd.engines import consistency
+
+    _, viewed = _gemma_with_views(tiny_root, tmp_path)
+    engine = OrtEngine(viewed, provider="cpu", threads=2, min_step_positions=1)
+    engine.min_step, engine.head_rows = 2, 2
+    seen = []
+    compare = consistency.views_against_whole
+
+    def recording(v, whole, *args, **kwargs):
+        seen.append((v.min_step, v.head_rows, v.window_granule, whole.min_step, whole.head_rows,
+                     whole.window_granule))
+        return compare(v, whole, *args, **kwargs)
+
+    monkeypatch.setattr(consistency, "views_against_whole", recording)
+    monkeypatch.setattr(consistency, "WINDOW_GRANULES", (32, 64))  # fit the tiny context of 256
+    consistency.window_granule(engine, np.random.default_rng(0), 400)
+    assert seen and all(s == (2, 2, s[2], 2, 2, 0) and s[2] in (32, 64) for s in seen), seen
+    assert engine.window_granule == 0 and engine.min_step == 2
 
 
 def test_released_window_positions_go_back_to_the_system_and_a_deep_cut_empties_the_cache(

@@ -192,24 +192,20 @@ def _views_against_whole(pipe, granule: int, ids: list[int], start: int, end: in
 def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
     """Gemma 3's sliding-window layers (15 of 18, a window of 512) read their cache through a view that
     starts at an offset (manifest window_views, engines/kv.py window_offset): every forward's logits
-    equal, bit for bit, those of an engine reading the whole cache, across offsets 128 to 384. With
-    offsets a multiple of 64 the same comparison finds forwards that differ (the attention kernel sums
-    positions in blocks of 128 on an AVX-512 AMD EPYC), so this comparison can fail. Where the export
-    found no exact offset step (granule 0: an AVX2-only AMD EPYC), the layers read the whole cache."""
+    equal, bit for bit, those of an engine reading the whole cache, across three offsets.
+    With offsets a multiple of half the granule the same comparison finds forwards that differ (the
+    attention kernel sums positions in blocks: of 128 on an AVX-512 AMD EPYC, of 64 on an AVX2-only
+    one), so this comparison can fail."""
     from edge_sd.engines.consistency import WINDOW_GRANULES
 
     views = pipe.target.manifest.window_views
     assert views["layers"] == [i for i in range(18) if i % 6 != 5] and views["window"] == 512
-    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=1100)]
-    if views["granule"] == 0:  # the export's comparison found forwards that differ at every step it tried
-        engine = pipe.target.session.engine()
-        engine.forward(np.asarray(ids[:700]), last=1)
-        assert engine.window_granule == 0 and engine.view_offset == 0
-        return
     assert views["granule"] in WINDOW_GRANULES  # measured at export: the smallest that is exact
-    forwards, unequal, offset = _views_against_whole(pipe, views["granule"], ids, 600, 600 + 3 * views["granule"])
-    assert unequal == 0 and forwards > 100 and offset >= 2 * views["granule"]
-    forwards, unequal, offset = _views_against_whole(pipe, 64, ids, 600, 800)
+    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=1400)]
+    granule = views["granule"]
+    forwards, unequal, offset = _views_against_whole(pipe, granule, ids, 600, 600 + 4 * granule)
+    assert unequal == 0 and forwards > 50 and offset >= 2 * granule
+    forwards, unequal, offset = _views_against_whole(pipe, granule // 2, ids, 600, 800)
     assert unequal > 0 and offset > 0
 
 

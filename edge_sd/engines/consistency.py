@@ -157,9 +157,9 @@ def check(engine) -> dict:
 
 # The offsets' steps tried for sliding-window views (manifest `window_views`), smallest first. A view
 # computes what the whole cache does only where its start falls on the blocks the attention kernel
-# sums positions in: on x86-64 with ONNX Runtime 1.32, Gemma-3-270M's heads of 256 were exact from a
-# step of 128 and not of 64.
-WINDOW_GRANULES = (128, 256, 512, 1024)
+# sums positions in: with ONNX Runtime 1.32, Gemma-3-270M's heads of 256 were exact from a step of
+# 128 and not of 64 on an AVX-512 AMD EPYC, from 64 and not 32 on an AVX2-only one.
+WINDOW_GRANULES = (64, 128, 256, 512, 1024)
 
 
 def views_against_whole(viewed, whole, ids: np.ndarray, start: int, end: int, rng: np.random.Generator,
@@ -191,15 +191,18 @@ def views_against_whole(viewed, whole, ids: np.ndarray, start: int, end: int, rn
 
 def window_granule(engine, rng: np.random.Generator, vocab: int) -> int:
     """The smallest of WINDOW_GRANULES at which the engine's sliding-window views give every forward
-    bit for bit the logits the whole cache gives (another engine over this engine's ONNX Runtime session, views off):
-    forwards of 1 to 7 positions, some cut back as a rejected draft is, across two offsets; 0 where
-    none does within the context, or the engine has no views. The engine is left empty, views off."""
+    bit for bit the logits the whole cache gives (another engine over the same ONNX Runtime session,
+    views off, stepping alike): forwards of 1 to 7 positions, some cut back as a rejected draft is,
+    across two offsets; 0 where none does within the context, or the engine has no views.
+    The engine is left empty, views off."""
     views = engine.manifest.window_views
     if not views.get("layers") or not engine.can_view_windows:
         return 0
     window = int(views["window"])
     whole = engine.shared.engine()
-    whole.window_granule = 0
+    # The same steps as the engine (its session's defaults may be export's single positions): only
+    # the views may differ, or a one-position step's other kernel would be blamed on them.
+    whole.window_granule, whole.min_step, whole.head_rows = 0, engine.min_step, engine.head_rows
     try:
         for granule in WINDOW_GRANULES:
             start, end = window + granule - 8, window + 1 + 3 * granule
