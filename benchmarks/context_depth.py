@@ -1,15 +1,19 @@
-"""Decode rate against context depth: the pair's target stepping one token at a time after d cached
-positions, beside llama.cpp's `llama-bench` generating after d positions (`-d`) of the same GGUF file.
+"""Decode rate against context depth and prefill of long prompts: the pair's target stepping one token
+at a time after d cached positions, beside llama.cpp's `llama-bench` generating after d positions
+(`-d`) of the same GGUF file; prefill of p prompt positions beside `llama-bench -p p`.
 
     bash scripts/real_pair.sh                      # once: the default pair in engines/
     LLAMA_BIN=$(bash benchmarks/llama_cpp.sh)      # once: llama.cpp's tools (about 10 minutes)
-    .venv/bin/python benchmarks/context_depth.py --llama-bin "$LLAMA_BIN" [--depths 0,256,512,1024,2048]
+    .venv/bin/python benchmarks/context_depth.py --llama-bin "$LLAMA_BIN" [--depths 0,1024,2048,4096,8192]
+        [--prefill 512,2048,8192] [--memory]
 
-Per repeat and depth, one after the other: edge-sd's target (the pair folder's, through its engine as
-generators use it: the prompt's positions prefilled, then --tokens one-position forwards, each fed the
-argmax of the one before) and `llama-bench -p 0 -n TOKENS -d DEPTH -r 1`. The prefill is the news
-articles' text one after the other, cut to the depth. Rates are medians over --repeats; the ratio is
-edge-sd over llama.cpp.
+Per repeat and depth, one after the other: edge-sd's target (the pair folder's, through an engine as
+a generator's target uses it: the prompt's positions prefilled in chunks, then --tokens one-position
+forwards, each fed the argmax of the one before) and `llama-bench -p 0 -n TOKENS -d DEPTH -r 1`; then
+per prompt length, edge-sd's chunked prefill and `llama-bench -p P -n 0 -r 1`. The text is the news
+articles' one after the other, cut to the length. Rates are medians over --repeats; the ratio is
+edge-sd over llama.cpp. --memory runs each tool once more per depth, alone in a process, for its peak
+resident memory.
 What it shows is how a step's cost grows with the positions it attends to: per layer, over every cached
 position or (a sliding-window layer) over the window only.
 
@@ -22,9 +26,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +39,7 @@ import numpy as np
 
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine, write_results
+from edge_sd.decoder import PREFILL_CHUNK
 from edge_sd.manifest import load_pair_manifest
 from edge_sd.model import Model
 from edge_sd.tools import prompt_sets
@@ -40,11 +48,22 @@ from edge_sd.tools.paths import cache_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def prefill(engine, ids: list[int]) -> float:
+    """Seconds to cache `ids` as a generator's prefill does: PREFILL_CHUNK positions a forward, the
+    last row's logits read."""
+    engine.reset()
+    start = time.perf_counter()
+    for at in range(0, len(ids), PREFILL_CHUNK):
+        engine.forward(np.asarray(ids[at:at + PREFILL_CHUNK]), last=1, scratch=True)
+    return time.perf_counter() - start
+
+
 def edge_rate(engine, ids: list[int], depth: int, tokens: int) -> float:
     """Tokens a second of `tokens` one-position steps after `depth` cached positions."""
-    engine.reset()
     if depth:
-        engine.forward(np.asarray(ids[:depth]), last=1, scratch=True)
+        prefill(engine, ids[:depth])
+    else:
+        engine.reset()
     tok = ids[depth]
     spent = 0.0
     for _ in range(tokens):
@@ -54,13 +73,51 @@ def edge_rate(engine, ids: list[int], depth: int, tokens: int) -> float:
     return tokens / spent
 
 
-def llama_rate(binary: Path, gguf: Path, depth: int, tokens: int, threads: int) -> float:
-    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth),
+def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, tokens: int, depth: int) -> tuple[float, int]:
+    """llama-bench's rate (tokens a second) for one run and its peak resident memory in bytes."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-d", str(depth),
            "-r", "1", "-o", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            sys.exit(f"{' '.join(cmd)} failed:\n{err.read().decode()[-2000:]}")
+        return float(json.loads(out.read())[0]["avg_ts"]), usage.ru_maxrss * 1024
+
+
+def edge_memory(pair: Path, depth: int, tokens: int, threads: int) -> int:
+    """Peak resident memory in bytes of a process that loads the pair's target alone, caches `depth`
+    positions of the articles and steps `tokens` positions, as a generator's target does (window
+    memory given back)."""
+    proc = subprocess.run([sys.executable, __file__, "--pair", str(pair), "--memory-child", str(depth),
+                           "--tokens", str(tokens), "--threads", str(threads)],
+                          capture_output=True, text=True, timeout=1200)
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return float(json.loads(proc.stdout)[0]["avg_ts"])
+        sys.exit(f"the memory run at depth {depth} failed:\n{proc.stderr[-2000:]}")
+    return int(proc.stdout.split()[-1])
+
+
+def memory_child(pair: Path, depth: int, tokens: int, threads: int) -> None:
+    pm = load_pair_manifest(pair)
+    target = Model.load(pair / pm.target, threads=threads).target
+    ids = article_ids(target, depth + tokens + 1)
+    engine = target.session.engine(release_window=True)
+    engine.reserve(depth + tokens + 1)
+    edge_rate(engine, ids, depth, tokens)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def article_ids(target, need: int) -> list[int]:
+    """The news articles' ids one after the other, at least `need` of them."""
+    ids: list[int] = []
+    for text in prompt_sets.articles(cache_dir(), 10**6):
+        ids += target.vocab.encode_text(text + "\n\n")
+        if len(ids) >= need:
+            return ids
+    sys.exit(f"the news articles make {len(ids)} tokens, fewer than the {need} needed")
 
 
 def main() -> None:
@@ -69,18 +126,26 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, help="folder of llama.cpp's binaries (llama_cpp.sh)")
     ap.add_argument("--report", action="store_true", help="only write the table and plot again from the JSON")
     ap.add_argument("--gguf", type=Path, help="the GGUF file [the pair target's source]")
-    ap.add_argument("--depths", default="0,256,512,1024,2048")
+    ap.add_argument("--depths", default="0,1024,2048,4096,8192")
+    ap.add_argument("--prefill", default="512,2048,8192", help="prompt lengths whose prefill is timed ('' for none)")
+    ap.add_argument("--memory", action="store_true",
+                    help="also each tool's peak resident memory at each depth, in a process of its own")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
+    if args.memory_child is not None:
+        memory_child(args.pair, args.memory_child, args.tokens, args.threads)
+        return
     if args.report:
         write_results(args.out, "context_depth", report, plot)
         return
     if args.llama_bin is None:
         ap.error("--llama-bin is required (bash benchmarks/llama_cpp.sh builds llama.cpp and prints it)")
     depths = [int(d) for d in args.depths.split(",")]
+    prompts = [int(p) for p in args.prefill.split(",") if p]
     bench = args.llama_bin / "llama-bench"
     if not bench.is_file():
         sys.exit(f"{bench} not found (bash benchmarks/llama_cpp.sh builds it and prints its folder)")
@@ -89,53 +154,77 @@ def main() -> None:
     gguf = args.gguf or Path(target.manifest.source)
     if not gguf.is_file():
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
-    need = max(depths) + args.tokens + 1
+    need = max(depths + prompts) + args.tokens + 1
     if need > target.manifest.max_context:
-        sys.exit(f"depth {max(depths)} and {args.tokens} tokens pass the target's context "
-                 f"({target.manifest.max_context} positions)")
-    ids: list[int] = []
-    for text in prompt_sets.articles(cache_dir(), 10**6):
-        ids += target.vocab.encode_text(text + "\n\n")
-        if len(ids) >= need:
-            break
-    if len(ids) < need:
-        sys.exit(f"the news articles make {len(ids)} tokens, fewer than the {need} needed")
-    engine = target.engine
+        sys.exit(f"{need} positions pass the target's context ({target.manifest.max_context} positions)")
+    ids = article_ids(target, need)
+    engine = target.session.engine(release_window=True)  # as a generator's target
     engine.reserve(need)
     edge_rate(engine, ids, min(depths), 4)  # warm-up: the first forwards of each shape
     runs: dict[int, dict[str, list[float]]] = {d: {"edge-sd": [], "llama.cpp": []} for d in depths}
+    fills: dict[int, dict[str, list[float]]] = {p: {"edge-sd": [], "llama.cpp": []} for p in prompts}
+    memory: dict[int, dict[str, int]] = {}
     for r in range(args.repeats):
         for d in depths:
             runs[d]["edge-sd"].append(edge_rate(engine, ids, d, args.tokens))
-            runs[d]["llama.cpp"].append(llama_rate(bench, gguf, d, args.tokens, args.threads))
+            runs[d]["llama.cpp"].append(llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[0])
             print(f"[{r + 1}/{args.repeats}] depth {d}: edge-sd {runs[d]['edge-sd'][-1]:.1f}, "
                   f"llama.cpp {runs[d]['llama.cpp'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+        for p in prompts:
+            fills[p]["edge-sd"].append(p / prefill(engine, ids[:p]))
+            fills[p]["llama.cpp"].append(llama_bench(bench, gguf, args.threads, p, 0, 0)[0])
+            print(f"[{r + 1}/{args.repeats}] prefill {p}: edge-sd {fills[p]['edge-sd'][-1]:.0f}, "
+                  f"llama.cpp {fills[p]['llama.cpp'][-1]:.0f} positions/s", file=sys.stderr, flush=True)
+    if args.memory:
+        for d in depths:
+            memory[d] = {"edge-sd": edge_memory(args.pair, d, args.tokens, args.threads),
+                         "llama.cpp": llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[1]}
+            print(f"memory at depth {d}: edge-sd {memory[d]['edge-sd'] / 2**20:.0f} MiB, "
+                  f"llama.cpp {memory[d]['llama.cpp'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
     pm = load_pair_manifest(args.pair)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "target": pm.target, "gguf": gguf.name, "sliding_window": target.manifest.sliding_window,
+              "window_granule": target.manifest.window_views.get("granule", 0),
               "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
-              "runs": {str(d): v for d, v in runs.items()}}
+              "runs": {str(d): v for d, v in runs.items()}, "prefill": {str(p): v for p, v in fills.items()},
+              "memory": {str(d): v for d, v in memory.items()}}
     print(write_results(args.out, "context_depth", report, plot, result))
 
 
 def report(result: dict) -> str:
     m = result["machine"]
     o = result["options"]
+    memory = result.get("memory") or {}
     lines = [
-        "# Decode rate against context depth: edge-sd and llama.cpp",
+        "# Decode and prefill against context depth: edge-sd and llama.cpp",
         "",
         f"{result['date']}, {m['cpu']} ({m['cores']} cores), ONNX Runtime {m['onnxruntime']}, "
         f"llama.cpp {result['llama_cpp']}; {o['threads']} threads each. {result['gguf']}: edge-sd's "
-        f"`{result['target']}` engine of the pair against llama.cpp's `llama-bench`, {o['tokens']} tokens "
-        f"after each depth, median of {o['repeats']} interleaved repeats (`benchmarks/context_depth.py`). "
-        f"The model's sliding window: {result['sliding_window']} positions.",
+        f"`{result['target']}` engine of the pair (as a generator's target: prefill in chunks of "
+        f"{PREFILL_CHUNK}, sliding-window views in steps of {result.get('window_granule', '?')} positions) "
+        f"against llama.cpp's `llama-bench`, {o['tokens']} tokens after each depth, median of {o['repeats']} "
+        f"interleaved repeats (`benchmarks/context_depth.py`). The model's sliding window: "
+        f"{result['sliding_window']} positions.",
         "",
-        "| cached positions | edge-sd tok/s | llama.cpp tok/s | edge-sd / llama.cpp |",
-        "|---|---|---|---|",
+        "| cached positions | edge-sd tok/s | llama.cpp tok/s | edge-sd / llama.cpp |"
+        + (" edge-sd peak RSS | llama.cpp peak RSS |" if memory else ""),
+        "|---|---|---|---|" + ("---|---|" if memory else ""),
     ]
     for d, v in result["runs"].items():
         e, c = statistics.median(v["edge-sd"]), statistics.median(v["llama.cpp"])
-        lines.append(f"| {d} | {e:.1f} | {c:.1f} | {e / c:.2f}x |")
+        row = f"| {d} | {e:.1f} | {c:.1f} | {e / c:.2f}x |"
+        if d in memory:
+            row += f" {memory[d]['edge-sd'] / 2**20:.0f} MiB | {memory[d]['llama.cpp'] / 2**20:.0f} MiB |"
+        lines.append(row)
+    if result.get("prefill"):
+        lines += ["", "| prompt positions | edge-sd prefill, positions/s | llama.cpp (`-p`) | edge-sd / llama.cpp |",
+                  "|---|---|---|---|"]
+        for p, v in result["prefill"].items():
+            e, c = statistics.median(v["edge-sd"]), statistics.median(v["llama.cpp"])
+            lines.append(f"| {p} | {e:.0f} | {c:.0f} | {e / c:.2f}x |")
+    if memory:
+        lines += ["", "Peak resident memory: each tool alone in a process of its own at each depth (edge-sd's",
+                  "target without the drafter, llama-bench with its context sized to the depth and tokens)."]
     lines += [
         "",
         "Where the rates fall: an attention kernel scores every position of the cache it is given. edge-sd",
@@ -153,15 +242,19 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    depths = [int(d) for d in result["runs"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for tool, color in (("edge-sd", "tab:blue"), ("llama.cpp", "tab:orange")):
-        ax.plot(depths, [statistics.median(v[tool]) for v in result["runs"].values()], "o-", color=color, label=tool)
-    ax.set_xlabel("cached positions before the tokens timed")
-    ax.set_ylabel("decode rate, tok/s (median)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{result['gguf']}, {result['machine']['cores']} cores, {result['date']}")
-    ax.legend()
+    panels = [("runs", "cached positions before the tokens timed", "decode rate, tok/s (median)")]
+    if result.get("prefill"):
+        panels.append(("prefill", "prompt positions", "prefill, positions/s (median)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (key, xlabel, ylabel) in zip(axes[0], panels, strict=True):
+        xs = [int(x) for x in result[key]]
+        for tool, color in (("edge-sd", "tab:blue"), ("llama.cpp", "tab:orange")):
+            ax.plot(xs, [statistics.median(v[tool]) for v in result[key].values()], "o-", color=color, label=tool)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    fig.suptitle(f"{result['gguf']}, {result['machine']['cores']} cores, {result['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
