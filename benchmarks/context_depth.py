@@ -11,9 +11,9 @@ Per repeat and depth, one after the other: edge-sd's target (the pair folder's, 
 a generator's target uses it: the prompt's positions prefilled in chunks, then --tokens one-position
 forwards, each fed the argmax of the one before) and `llama-bench -p 0 -n TOKENS -d DEPTH -r 1`; then
 per prompt length, edge-sd's chunked prefill and `llama-bench -p P -n 0 -r 1`. The text is the news
-articles' one after the other, cut to the length. Rates are medians over --repeats; the ratio is
-edge-sd over llama.cpp. --memory runs each tool once more per depth, alone in a process, for its peak
-resident memory.
+articles' one after the other and then HumanEval's prompts, cut to the length. Rates are medians
+over --repeats; the ratio is edge-sd over llama.cpp. --memory runs each tool once more per depth,
+alone in a process, for its peak resident memory.
 What it shows is how a step's cost grows with the positions it attends to: per layer, over every cached
 position or (a sliding-window layer) over the window only.
 
@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -73,31 +72,45 @@ def edge_rate(engine, ids: list[int], depth: int, tokens: int) -> float:
     return tokens / spent
 
 
+def memory_of(pid: int, field: str = "VmHWM") -> int:
+    """A field of the process's memory status in bytes: VmHWM, its peak resident memory so far (its
+    own address space's, where getrusage's ru_maxrss keeps the forking parent's peak across exec), or
+    VmRSS, what is resident now; 0 once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith(field + ":")), 0)
+
+
 def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, tokens: int, depth: int) -> tuple[float, int]:
     """llama-bench's rate (tokens a second) for one run and its peak resident memory in bytes."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-d", str(depth),
            "-r", "1", "-o", "json"]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak = 0
+        while proc.poll() is None:  # the peak is reached at the start and at the end of the run
+            peak = max(peak, memory_of(proc.pid))
+            time.sleep(0.02)
         out.seek(0)
         err.seek(0)
         if proc.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{err.read().decode()[-2000:]}")
-        return float(json.loads(out.read())[0]["avg_ts"]), usage.ru_maxrss * 1024
+        return float(json.loads(out.read())[0]["avg_ts"]), peak
 
 
-def edge_memory(pair: Path, depth: int, tokens: int, threads: int) -> int:
+def edge_memory(pair: Path, depth: int, tokens: int, threads: int) -> tuple[int, int]:
     """Peak resident memory in bytes of a process that loads the pair's target alone, caches `depth`
-    positions of the articles and steps `tokens` positions, as a generator's target does (window
-    memory given back)."""
+    positions of the text and steps `tokens` positions, as a generator's target does (window memory
+    given back), and what it holds resident after the steps."""
     proc = subprocess.run([sys.executable, __file__, "--pair", str(pair), "--memory-child", str(depth),
                            "--tokens", str(tokens), "--threads", str(threads)],
                           capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         sys.exit(f"the memory run at depth {depth} failed:\n{proc.stderr[-2000:]}")
-    return int(proc.stdout.split()[-1])
+    peak, resident = proc.stdout.split()[-2:]
+    return int(peak), int(resident)
 
 
 def memory_child(pair: Path, depth: int, tokens: int, threads: int) -> None:
@@ -107,17 +120,29 @@ def memory_child(pair: Path, depth: int, tokens: int, threads: int) -> None:
     engine = target.session.engine(release_window=True)
     engine.reserve(depth + tokens + 1)
     edge_rate(engine, ids, depth, tokens)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    print(memory_of(os.getpid()), memory_of(os.getpid(), "VmRSS"))
 
 
 def article_ids(target, need: int) -> list[int]:
-    """The news articles' ids one after the other, at least `need` of them."""
+    """The news articles' ids one after the other, then the code prompts', at least `need` of them."""
+    texts = prompt_sets.articles(cache_dir(), 10**6) + [p.text for p in prompt_sets.load("code", cache_dir(), 164)]
     ids: list[int] = []
-    for text in prompt_sets.articles(cache_dir(), 10**6):
+    for text in texts:
         ids += target.vocab.encode_text(text + "\n\n")
         if len(ids) >= need:
             return ids
-    sys.exit(f"the news articles make {len(ids)} tokens, fewer than the {need} needed")
+    sys.exit(f"the news articles and code prompts make {len(ids)} tokens, fewer than the {need} needed")
+
+
+def measure_memory(args, bench: Path, gguf: Path, depths: list[int]) -> dict[int, dict[str, int]]:
+    memory = {}
+    for d in depths:
+        peak, resident = edge_memory(args.pair, d, args.tokens, args.threads)
+        memory[d] = {"edge-sd": peak, "edge-sd after": resident,
+                     "llama.cpp": llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[1]}
+        print(f"memory at depth {d}: edge-sd {peak / 2**20:.0f} MiB peak, {resident / 2**20:.0f} MiB after, "
+              f"llama.cpp {memory[d]['llama.cpp'] / 2**20:.0f} MiB peak", file=sys.stderr, flush=True)
+    return memory
 
 
 def main() -> None:
@@ -133,6 +158,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory-only", action="store_true",
+                    help="measure the memory alone, at the depths of the JSON written before, and add it there")
     ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
@@ -154,6 +181,12 @@ def main() -> None:
     gguf = args.gguf or Path(target.manifest.source)
     if not gguf.is_file():
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
+    if args.memory_only:
+        result = json.loads((args.out / "context_depth.json").read_text())
+        memory = measure_memory(args, bench, gguf, [int(d) for d in result["runs"]])
+        result["memory"] = {str(d): v for d, v in memory.items()}
+        print(write_results(args.out, "context_depth", report, plot, result))
+        return
     need = max(depths + prompts) + args.tokens + 1
     if need > target.manifest.max_context:
         sys.exit(f"{need} positions pass the target's context ({target.manifest.max_context} positions)")
@@ -176,11 +209,7 @@ def main() -> None:
             print(f"[{r + 1}/{args.repeats}] prefill {p}: edge-sd {fills[p]['edge-sd'][-1]:.0f}, "
                   f"llama.cpp {fills[p]['llama.cpp'][-1]:.0f} positions/s", file=sys.stderr, flush=True)
     if args.memory:
-        for d in depths:
-            memory[d] = {"edge-sd": edge_memory(args.pair, d, args.tokens, args.threads),
-                         "llama.cpp": llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[1]}
-            print(f"memory at depth {d}: edge-sd {memory[d]['edge-sd'] / 2**20:.0f} MiB, "
-                  f"llama.cpp {memory[d]['llama.cpp'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        memory = measure_memory(args, bench, gguf, depths)
     pm = load_pair_manifest(args.pair)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "target": pm.target, "gguf": gguf.name, "sliding_window": target.manifest.sliding_window,
@@ -207,14 +236,15 @@ def report(result: dict) -> str:
         f"{result['sliding_window']} positions.",
         "",
         "| cached positions | edge-sd tok/s | llama.cpp tok/s | edge-sd / llama.cpp |"
-        + (" edge-sd peak RSS | llama.cpp peak RSS |" if memory else ""),
+        + (" edge-sd peak / after, MiB | llama.cpp peak, MiB |" if memory else ""),
         "|---|---|---|---|" + ("---|---|" if memory else ""),
     ]
     for d, v in result["runs"].items():
         e, c = statistics.median(v["edge-sd"]), statistics.median(v["llama.cpp"])
         row = f"| {d} | {e:.1f} | {c:.1f} | {e / c:.2f}x |"
         if d in memory:
-            row += f" {memory[d]['edge-sd'] / 2**20:.0f} MiB | {memory[d]['llama.cpp'] / 2**20:.0f} MiB |"
+            mib = {k: f"{v / 2**20:.0f}" for k, v in memory[d].items()}
+            row += f" {mib['edge-sd']} / {mib.get('edge-sd after', '-')} | {mib['llama.cpp']} |"
         lines.append(row)
     if result.get("prefill"):
         lines += ["", "| prompt positions | edge-sd prefill, positions/s | llama.cpp (`-p`) | edge-sd / llama.cpp |",
@@ -223,8 +253,9 @@ def report(result: dict) -> str:
             e, c = statistics.median(v["edge-sd"]), statistics.median(v["llama.cpp"])
             lines.append(f"| {p} | {e:.0f} | {c:.0f} | {e / c:.2f}x |")
     if memory:
-        lines += ["", "Peak resident memory: each tool alone in a process of its own at each depth (edge-sd's",
-                  "target without the drafter, llama-bench with its context sized to the depth and tokens)."]
+        lines += ["", "Resident memory: each tool alone in a process of its own at each depth (edge-sd's target",
+                  "without the drafter, llama-bench with its context sized to the depth and tokens); the peak",
+                  "(VmHWM, polled for llama-bench) and, for edge-sd, what it held after the steps (VmRSS)."]
     lines += [
         "",
         "Where the rates fall: an attention kernel scores every position of the cache it is given. edge-sd",

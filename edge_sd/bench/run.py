@@ -153,13 +153,17 @@ def machine() -> dict:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and its widest vector instructions on x86-64 (ONNX Runtime's and
+    llama.cpp's kernels differ between AVX2 and AVX-512, and model names do not tell them apart)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
+    simd = "AVX-512" if "avx512f" in flags else "AVX2 only" if "avx2" in flags else ""
+    name = names[0] if names else platform.processor() or "unknown"
+    return f"{name} with {simd}" if simd else name
 
 
 def run(opts: BenchOptions, on_run: Callable[[Config, Record], None] | None = None) -> dict:
