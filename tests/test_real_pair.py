@@ -230,7 +230,7 @@ def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:
         while not g.is_done:
             out += g.generate_next_tokens().ids
         assert_same_or_near_tie(out, plain, gaps, f"real/{algo}/long prompt", is_exact(pipe))
-        # views from 256 (granule 128) or further on; none where the export found no exact offset step
+        # views from 256 or further on (granule 64 or 128); none where the export found no exact offset step
         assert g.target.released >= 256 if granule else g.target.released == 0
     g.rewind_to(400)
     g.append_tokens(ids[400:700])
