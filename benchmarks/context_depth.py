@@ -39,7 +39,7 @@ import numpy as np
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine, write_results
 from edge_sd.decoder import PREFILL_CHUNK
-from edge_sd.manifest import load_pair_manifest
+from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.model import Model
 from edge_sd.tools import prompt_sets
 from edge_sd.tools.paths import cache_dir
@@ -176,20 +176,21 @@ def main() -> None:
     bench = args.llama_bin / "llama-bench"
     if not bench.is_file():
         sys.exit(f"{bench} not found (bash benchmarks/llama_cpp.sh builds it and prints its folder)")
-    model = Model.load(args.pair, threads=args.threads)
-    target = model.target
-    gguf = args.gguf or Path(target.manifest.source)
+    pm = load_pair_manifest(args.pair)
+    manifest = load_engine_manifest(args.pair / pm.target)
+    gguf = args.gguf or Path(manifest.source)
     if not gguf.is_file():
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
-    if args.memory_only:
+    if args.memory_only:  # each memory run loads the target in a process of its own
         result = json.loads((args.out / "context_depth.json").read_text())
         memory = measure_memory(args, bench, gguf, [int(d) for d in result["runs"]])
         result["memory"] = {str(d): v for d, v in memory.items()}
         print(write_results(args.out, "context_depth", report, plot, result))
         return
     need = max(depths + prompts) + args.tokens + 1
-    if need > target.manifest.max_context:
-        sys.exit(f"{need} positions pass the target's context ({target.manifest.max_context} positions)")
+    if need > manifest.max_context:
+        sys.exit(f"{need} positions pass the target's context ({manifest.max_context} positions)")
+    target = Model.load(args.pair, threads=args.threads).target
     ids = article_ids(target, need)
     engine = target.session.engine(release_window=True)  # as a generator's target
     engine.reserve(need)
@@ -210,10 +211,9 @@ def main() -> None:
                   f"llama.cpp {fills[p]['llama.cpp'][-1]:.0f} positions/s", file=sys.stderr, flush=True)
     if args.memory:
         memory = measure_memory(args, bench, gguf, depths)
-    pm = load_pair_manifest(args.pair)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
-              "target": pm.target, "gguf": gguf.name, "sliding_window": target.manifest.sliding_window,
-              "window_granule": target.manifest.window_views.get("granule", 0),
+              "target": pm.target, "gguf": gguf.name, "sliding_window": manifest.sliding_window,
+              "window_granule": manifest.window_views.get("granule", 0),
               "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
               "runs": {str(d): v for d, v in runs.items()}, "prefill": {str(p): v for p, v in fills.items()},
               "memory": {str(d): v for d, v in memory.items()}}
