@@ -20,8 +20,9 @@ from edge_sd.layout import ENGINE_FILE, PAIR_FILE
 
 # Bumped whenever a field changes meaning; readers refuse versions they do not know. Version 2 added
 # `kv_layout` and `min_step_positions`: a version-1 reader would drive a shared-buffer graph wrongly.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1 files are concat-layout engines, one position per step
+# Version 3 added `grouped_attention`, whose graphs take inputs a version-2 reader does not bind.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1 files are concat-layout engines, one position per step
 # gguf: a GGUF file's own quantized weights, exactly (export/gguf_graph.py).
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
 # How the KV cache is passed (README, "The manifest contract"):
@@ -35,6 +36,11 @@ KEEP_INPUT = "logits_to_keep"
 # The offset from which sliding-window layers read their cache (manifest `window_views`): an int64
 # scalar input with a default of 0, so a host that does not bind it runs as if there were no views.
 WINDOW_INPUT = "window_offset"
+# The same for the global layers computed over the whole cache in one product (manifest
+# `grouped_attention`): their GroupQueryAttention nodes, which only write the new positions, count
+# the cache from this offset; the product reads `whole.<past input name>`.
+GLOBAL_INPUT = "global_offset"
+WHOLE_PREFIX = "whole."
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,9 @@ class EngineManifest:
     # (0 below); G is measured at export, the smallest tried at which views compute bit for bit what
     # the whole cache does (0: views off). Empty: no such layers.
     window_views: dict[str, Any] = field(default_factory=dict)
+    # Global layers of one key/value head whose attention is one product over all heads
+    # (export/grouped_attention.py): the graph takes `global_offset` and `whole.<past input>` for each.
+    grouped_attention: list[int] = field(default_factory=list)
     export_path: str = "optimum"
     # What the graph was made for: "cpu", or "cuda" (the model builder's --device cuda graphs). The
     # builder makes a graph for one device: its fused attention writes the KV cache in place, and a

@@ -348,6 +348,72 @@ def test_the_window_granule_is_measured_against_an_engine_that_steps_alike(
     assert engine.window_granule == 0 and engine.min_step == 2
 
 
+def _gemma_grouped(tiny_root: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The tiny Gemma-3 with window views (`viewed`) and a copy whose global layer is grouped
+    (export/grouped_attention.py)."""
+    import shutil
+
+    from edge_sd.export.grouped_attention import grouped_global
+    from edge_sd.manifest import file_entries, save
+
+    _, viewed = _gemma_with_views(tiny_root, tmp_path)
+    grouped = tmp_path / "grouped"
+    shutil.copytree(viewed, grouped)
+    assert grouped_global(grouped / "model.onnx") == ["past_key_values.5.key"]
+    m = load_engine_manifest(viewed)
+    save(replace(m, grouped_attention=[5], files=file_entries(grouped)), grouped)
+    return viewed, grouped
+
+
+def test_a_grouped_global_layer_attends_over_the_whole_cache_and_steps_compute_what_forwards_do(
+        tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """export/grouped_attention.py on the tiny Gemma-3's global layer (4 query heads over one
+    key/value head): its GroupQueryAttention still writes the cache (bit for bit what the graph
+    before writes, through views that move in steps of 64), and the product over all heads gives
+    the attention GroupQueryAttention gives, up to rounding; one-position steps compute bit for bit
+    what one forward over the same positions computes; a host that binds no offsets gets the same
+    logits. The control: the whole cache bound one position short, the newest position is missing
+    and the logits change."""
+    import onnxruntime as ort
+
+    from edge_sd.engines import consistency
+    from edge_sd.engines import engine as engine_module
+    from edge_sd.engines.kv import SharedKV
+    from edge_sd.manifest import GLOBAL_INPUT
+
+    viewed, grouped = _gemma_grouped(tiny_root, tmp_path)
+    a, b = (OrtEngine(f, provider="cpu", threads=2) for f in (viewed, grouped))
+    ids = np.random.default_rng(7).integers(3, 400, size=230)
+    for e in (a, b):
+        e.window_granule = 32
+    x, y = a.forward(ids[:30]), b.forward(ids[:30])
+    steps, worst = [y[-1]], 0.0
+    for t in ids[30:200]:
+        x, y = a.forward([t]), b.forward([t])
+        worst = max(worst, float(np.abs(x - y).max()) / float(np.abs(x).max()))
+        steps.append(y[-1])
+    assert 0.0 < worst < consistency.CACHE_RTOL
+    assert b._kv._offsets[(5,)] == 192 and b._kv._whole[0] == 256  # the writer's view, the product's length
+    for k in range(12):  # every layer's keys and values, the global layer's too
+        np.testing.assert_array_equal(a._kv._host[k][0, 0, :200], b._kv._host[k][0, 0, :200])
+    # one forward over the same positions, on an engine that binds no offsets (writers over the whole
+    # cache, window layers too)
+    c = OrtEngine(grouped, provider="cpu", threads=2)
+    c.prepare()
+    c._global_offset = None
+    c._io.bind_ortvalue_input(GLOBAL_INPUT, ort.OrtValue.ortvalue_from_numpy(np.zeros((), dtype=np.int64)))
+    np.testing.assert_array_equal(c.forward(ids[:200])[29:], np.stack(steps))
+
+    # The control: one position short, so the reader misses what the writer wrote this forward.
+    bind_whole = SharedKV.bind_whole
+    d = OrtEngine(grouped, provider="cpu", threads=2)
+    d.forward(ids[:30])
+    monkeypatch.setattr(engine_module, "GROUPED_STEP", 1)
+    monkeypatch.setattr(SharedKV, "bind_whole", lambda self, n, layers: bind_whole(self, n - 1, layers))
+    short = d.forward(ids[30:31])
+    assert np.abs(short - steps[1]).max() > 1e-3 * np.abs(steps[1]).max()
+
+
 def test_released_window_positions_go_back_to_the_system_and_a_deep_cut_empties_the_cache(
         tiny_root: Path, tmp_path: Path) -> None:
     """release_window (a generator's target): as the views move on, the sliding-window layers'

@@ -12,8 +12,8 @@ import onnxruntime as ort
 
 from edge_sd.engines.consistency import SPLIT_AT
 from edge_sd.engines.kv import ConcatKV, SharedKV, window_offset
-from edge_sd.errors import ContextLimitError
-from edge_sd.manifest import KEEP_INPUT, WINDOW_INPUT, EngineManifest
+from edge_sd.errors import ArtifactError, ContextLimitError
+from edge_sd.manifest import GLOBAL_INPUT, KEEP_INPUT, WINDOW_INPUT, EngineManifest
 
 if TYPE_CHECKING:
     from edge_sd.engines.session import OrtSession
@@ -23,6 +23,10 @@ _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # Logit rows a scratch buffer holds (forward(scratch=True)): the longest verification forward, a
 # prompt lookup draft of 16 and the token before it (schedules.choose.DEFAULT_MAX_LOOKUP).
 SCRATCH_ROWS = 17
+
+# Positions by which the grouped global layers' bindings move (manifest `grouped_attention`): their
+# writers' views start, and their whole caches end, at multiples of this.
+GROUPED_STEP = 64
 
 
 class OrtEngine:
@@ -73,6 +77,8 @@ class OrtEngine:
         # engine to measure it (engines/consistency.py, window_granule).
         self.window_granule = int(views.get("granule", 0))
         self._offset: np.ndarray | None = None
+        self._grouped = list(m.grouped_attention)
+        self._global_offset: np.ndarray | None = None
         self.release_window = release_window
         if source.loaded:
             self._bind()
@@ -101,6 +107,13 @@ class OrtEngine:
             self._io.bind_ortvalue_input(WINDOW_INPUT, self._offset_value)
         else:
             self.window_granule = 0  # views are of host memory and of one-head buffers
+        if self._grouped:
+            if not isinstance(self._kv, SharedKV):
+                raise ArtifactError(f"{source.folder}: grouped_attention needs the shared KV layout")
+            if source.device == "cpu":  # the writers' views, as the window layers' (host memory)
+                self._global_offset = np.zeros((), dtype=np.int64)
+                self._global_offset_value = ort.OrtValue.ortvalue_from_numpy(self._global_offset)
+                self._io.bind_ortvalue_input(GLOBAL_INPUT, self._global_offset_value)
         logits_type = next(o.type for o in source.session.get_outputs() if o.name == "logits")
         self._logits_dtype = _NP_DTYPES.get(logits_type, np.float32)
 
@@ -242,6 +255,14 @@ class OrtEngine:
             self._offset[()] = offset
             if self.release_window:
                 kv.release(offset, self._window_layers)
+        if self._grouped and isinstance(kv, SharedKV):
+            if self._global_offset is not None:
+                # The writers attend over the view's few positions (their output is not read); the
+                # view holds the previous position they read back. Steps of GROUPED_STEP rebind rarely.
+                offset = max(start - 1, 0) // GROUPED_STEP * GROUPED_STEP
+                kv.view(offset, self._grouped)
+                self._global_offset[()] = offset
+            kv.bind_whole(min(kv.capacity, -(-total // GROUPED_STEP) * GROUPED_STEP), self._grouped)
         io.bind_cpu_input("input_ids", ids[None])
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
         if m.has_position_ids:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edge_sd.manifest import EngineManifest
+from edge_sd.manifest import WHOLE_PREFIX, EngineManifest
 
 
 def _layer_names(m: EngineManifest) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -95,8 +95,11 @@ class SharedKV:
         self._host: list[np.ndarray] = []  # CPU: the numpy arrays the OrtValues share memory with
         self._maps: list[mmap.mmap] = []  # ... and the mappings that hold them
         self._values: list[Any] = []
-        self._offset = 0  # where the layers `view` binds start in their buffers
-        self._views: list[Any] = []  # the OrtValues of those views (bound: kept alive here)
+        # Per group of layers `view` binds: where their views start in their buffers, and the
+        # OrtValues of those views (bound: kept alive here).
+        self._offsets: dict[tuple[int, ...], int] = {}
+        self._views: dict[tuple[int, ...], list[Any]] = {}
+        self._whole: tuple[int, list[Any]] = (0, [])  # bind_whole's length and OrtValues
         # Positions below this in the buffers of these layers were given back to the system (`release`):
         # they read as zeros, and no forward from a view at or past it reads them.
         self.released = 0
@@ -135,7 +138,7 @@ class SharedKV:
                     # regrowth never holds the whole cache twice.
                     old_host[k] = old_values[k] = None
         self._host, self._maps, self._values, self.capacity = host, maps, values, capacity
-        self._offset, self._views = 0, []  # every layer bound whole again
+        self._offsets, self._views, self._whole = {}, {}, (0, [])  # every layer bound whole again
 
     def ensure(self, total: int, keep: int) -> None:
         if total > self.capacity:
@@ -145,7 +148,8 @@ class SharedKV:
     def view(self, offset: int, layers: list[int]) -> None:
         """Bind these layers' past and present to their buffers from `offset` positions in (0: whole),
         on the CPU, for buffers of one head (from an offset, one block of memory)."""
-        if offset == self._offset:
+        group = tuple(layers)
+        if offset == self._offsets.get(group, 0):
             return
         views = []
         for i in layers:
@@ -156,7 +160,26 @@ class SharedKV:
                     views.append(value)
                 self._io.bind_ortvalue_input(self._past[i][j], value)
                 self._io.bind_ortvalue_output(self._present[i][j], value)
-        self._offset, self._views = offset, views
+        self._offsets[group], self._views[group] = offset, views
+
+    def bind_whole(self, n: int, layers: list[int]) -> None:
+        """Bind these layers' buffers again, as the inputs `whole.<past input>` (manifest
+        `grouped_attention`): their first n positions on the CPU (one block of memory: one head),
+        the whole buffer elsewhere."""
+        if self._device != "cpu":
+            n = self.capacity
+        if n == self._whole[0]:
+            return
+        values = []
+        for i in layers:
+            for j in range(2):
+                if self._device == "cpu":
+                    value = ort.OrtValue.ortvalue_from_numpy(self._host[2 * i + j][:, :, :n], self._device)
+                else:
+                    value = self._values[2 * i + j]
+                values.append(value)
+                self._io.bind_ortvalue_input(WHOLE_PREFIX + self._past[i][j], value)
+        self._whole = (n, values)
 
     def release(self, below: int, layers: list[int]) -> None:
         """Give the memory of positions below `below` in these layers' buffers back to the system (on

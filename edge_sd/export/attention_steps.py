@@ -154,7 +154,7 @@ def window_views(model_path: Path) -> tuple[list[str], int]:
     are none. Only single-head caches: a view of a [1, heads, capacity, dim] buffer from an offset is
     one block of memory only with one head."""
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     from edge_sd.export.logits import save_graph
 
@@ -174,33 +174,44 @@ def window_views(model_path: Path) -> tuple[list[str], int]:
     windows = {w for _, w in chosen}
     if len(windows) > 1:
         raise ExportError(f"{model_path}: sliding windows of several sizes ({sorted(windows)}): not supported")
-    g.input.append(helper.make_tensor_value_info(WINDOW_INPUT, TensorProto.INT64, []))
-    g.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), WINDOW_INPUT))
+    count_from(model, [node for node, _ in chosen], WINDOW_INPUT, WINDOW_PREFIX, model_path)
+    save_graph(model, model_path)
+    return [node.input[3] for node, _ in chosen], windows.pop()
+
+
+def count_from(model: Any, nodes: list[Any], offset_input: str, prefix: str, where: Path | str) -> None:
+    """Make these attention nodes (rewritten above) count their cache from `offset_input` positions
+    in: an int64 scalar input added with a default of 0, so that a host that does not bind it runs
+    them as before. Their sequence lengths and the previous position's reads shift by the offset."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    by_name = {n.name: n for n in g.node}
+    g.input.append(helper.make_tensor_value_info(offset_input, TensorProto.INT64, []))
+    g.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), offset_input))
     new: list[Any] = []
     shifted: dict[str, str] = {}  # a geometry tensor -> the same counted from the offset
 
     def shift(name: str, offset: str) -> str:
         if name not in shifted:
-            shifted[name] = f"{WINDOW_PREFIX}/{name.strip('/').replace('/', '_')}"
+            shifted[name] = f"{prefix}/{name.strip('/').replace('/', '_')}"
             new.append(helper.make_node("Sub", [name, offset], [shifted[name]], name=shifted[name]))
         return shifted[name]
 
-    offset32 = f"{WINDOW_PREFIX}/offset_int32"
-    new.append(helper.make_node("Cast", [WINDOW_INPUT], [offset32], name=offset32, to=TensorProto.INT32))
-    for node, _ in chosen:
+    offset32 = f"{prefix}/offset_int32"
+    new.append(helper.make_node("Cast", [offset_input], [offset32], name=offset32, to=TensorProto.INT32))
+    for node in nodes:
         # seqlens_k (int32 [1]) and total_sequence_length (int32 scalar), counted in the view
         node.input[5], node.input[6] = shift(node.input[5], offset32), shift(node.input[6], offset32)
         for what in ("k", "v"):  # the previous position read back: [first, start) in the view
             read = by_name[f"{node.name}/{what}_cached"]
-            read.input[1], read.input[2] = shift(read.input[1], WINDOW_INPUT), shift(read.input[2], WINDOW_INPUT)
+            read.input[1], read.input[2] = shift(read.input[1], offset_input), shift(read.input[2], offset_input)
     # The new nodes read tensors computed once for the whole graph: they go in before the first node
     # that reads what they compute, which comes after those tensors are made.
     order = list(g.node)
     made_at = {o: i for i, n in enumerate(order) for o in n.output}
     first = min(i for i, n in enumerate(order) if any(x in shifted.values() for x in n.input))
     if max(made_at.get(x, -1) for x in shifted) >= first:
-        raise ExportError(f"{model_path}: the attention's geometry is computed after its first use")
+        raise ExportError(f"{where}: the attention's geometry is computed after its first use")
     del g.node[:]
     g.node.extend(order[:first] + new + order[first:])
-    save_graph(model, model_path)
-    return [node.input[3] for node, _ in chosen], windows.pop()

@@ -415,24 +415,28 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
         parts = split_lm_head(dest / "model.onnx")
         if gguf or parts > 1:
             quantization["lm_head_parts"] = parts
-    previous_row, pasts, window = False, [], 0
+    previous_row, pasts, window, grouped = False, [], 0, []
     if gguf and not opts.drafter:
         # int8 activations round a one-row attention kernel's difference into the logits: the
         # attention of a target's one-position step takes the previous position from its cache.
         from edge_sd.export.attention_steps import rewrite, window_views
+        from edge_sd.export.grouped_attention import grouped_global
 
         with step("attention over the previous position too (one-position steps)"):
             previous_row = rewrite(dest / "model.onnx") > 0
         if previous_row:
             with step("sliding-window layers over a view of their cache"):
                 pasts, window = window_views(dest / "model.onnx")
+            with step("global layers as one product over their heads"):
+                grouped = grouped_global(dest / "model.onnx")
     manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path,
                          job.chat, job.stops)
     views: dict = {}
+    layer_of = {manifest.past_key_template.format(i=i): i for i in range(manifest.num_layers)}
     if previous_row and pasts:
-        layer_of = {manifest.past_key_template.format(i=i): i for i in range(manifest.num_layers)}
         views = {"layers": sorted(layer_of[p] for p in pasts), "window": window, "granule": 0}  # granule: validation
-    manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row, window_views=views)
+    manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row, window_views=views,
+                       grouped_attention=sorted(layer_of[p] for p in grouped))
     save(manifest, dest)
     if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
         # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU

@@ -576,6 +576,8 @@ def inspect(
         rows.append(["validated on", *(m.validation.get("provider", "cpu") if m.validation else "not validated"
                                        for m in manifests.values())])
         rows.append(["window views", *(_window_views(m.window_views) for m in manifests.values())])
+        rows.append(["grouped global layers", *(", ".join(map(str, m.grouped_attention)) or "none"
+                                                for m in manifests.values())])
         rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
         rows.append(["chat template from", *(m.exporter.get("chat_template", "not recorded")
                                              for m in manifests.values())])
