@@ -214,6 +214,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "target": pm.target, "gguf": gguf.name, "sliding_window": manifest.sliding_window,
               "window_granule": manifest.window_views.get("granule", 0),
+              "grouped_attention": manifest.grouped_attention,
               "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
               "runs": {str(d): v for d, v in runs.items()}, "prefill": {str(p): v for p, v in fills.items()},
               "memory": {str(d): v for d, v in memory.items()}}
@@ -261,8 +262,12 @@ def report(result: dict) -> str:
         "Where the rates fall: an attention kernel scores every position of the cache it is given. edge-sd",
         "gives a `gguf` target's sliding-window layers a view of their cache from at most a window and a",
         "granule before the forward (manifest `window_views`; without it, the whole cache) and its global",
-        "layers the whole cache, in fp32. llama.cpp (by default) keeps a sliding-window layer's cache to its",
-        "window and stores keys and values in fp16.",
+        "layers the whole cache, in fp32" + (
+            ", each read once a step for all query heads (manifest `grouped_attention`, layers "
+            + ", ".join(map(str, result["grouped_attention"])) + ")" if result.get("grouped_attention") else
+            " (GroupQueryAttention's CPU kernel reads it once per query head)") + ".",
+        "llama.cpp (by default) keeps a sliding-window layer's cache to its window and stores keys and",
+        "values in fp16.",
     ]
     return "\n".join(lines) + "\n"
 

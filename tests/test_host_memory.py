@@ -73,6 +73,55 @@ def test_large_blocks_stay_mapped_once_the_threshold_is_fixed() -> None:
     assert not from_heap("fix")
 
 
+# 64 blocks of 1 MiB (under the fixed threshold: from the heap) written and freed, one small block
+# kept after them so that the heap's top is not free: their pages stay resident until given back.
+# Prints the resident memory (VmRSS, KiB) after freeing and after give_back.
+_TRIM_PROBE = """
+import ctypes
+from edge_sd.engines import host_memory
+assert host_memory.map_large_blocks()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+blocks = [libc.malloc(1 << 20) for _ in range(64)]
+keep = libc.malloc(4096)
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 20)
+for b in blocks:
+    libc.free(b)
+freed = rss()
+host_memory.give_back()
+print(freed, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or host_memory.platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc only")
+def test_free_heap_pages_are_given_back() -> None:
+    out = subprocess.run([sys.executable, "-c", _TRIM_PROBE], capture_output=True, text=True, check=True)
+    freed, after = map(int, out.stdout.split())
+    assert freed - after > 48 << 10, (freed, after)  # most of the 64 MiB
+
+
+def test_a_forward_of_many_positions_gives_the_heap_back(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's chunk gives the heap's free pages back after it; a step does not pay for it."""
+    from edge_sd.engines import engine as engine_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(host_memory, "give_back", lambda: calls.append(1))
+    engine = OrtEngine(tiny_root / "engines" / "bl_llama", provider="cpu", threads=2)
+    engine.forward(np.arange(3, 3 + engine_module.GIVE_BACK_AFTER))
+    assert calls == [1]
+    engine.truncate(10)
+    engine.forward([5])
+    engine.reset()
+    engine.forward(np.arange(3, 3 + engine_module.GIVE_BACK_AFTER - 1))
+    assert calls == [1]
+
+
 def test_a_threshold_the_environment_sets_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     host_memory.map_large_blocks.cache_clear()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
+from edge_sd.engines import host_memory
 from edge_sd.engines.consistency import SPLIT_AT
 from edge_sd.engines.kv import ConcatKV, SharedKV, window_offset
 from edge_sd.errors import ArtifactError, ContextLimitError
@@ -23,6 +24,10 @@ _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # Logit rows a scratch buffer holds (forward(scratch=True)): the longest verification forward, a
 # prompt lookup draft of 16 and the token before it (schedules.choose.DEFAULT_MAX_LOOKUP).
 SCRATCH_ROWS = 17
+
+# A forward of at least this many positions (a long prompt's chunk) gives the heap's free pages back
+# after it (engines/host_memory.py): a few milliseconds against seconds of forward.
+GIVE_BACK_AFTER = 256
 
 # Positions by which the grouped global layers' bindings move (manifest `grouped_attention`): their
 # writers' views start, and their whole caches end, at multiples of this.
@@ -216,6 +221,8 @@ class OrtEngine:
         total = start + len(ids)
         n = s if last is None else max(1, min(last, s))
         logits = self._run(ids, start, n, scratch)
+        if len(ids) >= GIVE_BACK_AFTER:
+            host_memory.give_back()
         self._fed[start:total] = ids
         self.n_cached = total
         self.forward_count += 1
