@@ -11,8 +11,9 @@ one after the other in this process, each a median of --runs calls:
   present (as engines/kv.py binds it);
 - `gqa fp16`: the same in fp16 (the layout llama.cpp keeps its cache in);
 - `grouped fp32`: the 4 heads' query rows stacked into one [heads x rows, 256] matrix against the
-  cache's first `depth` positions: Gemm (keys transposed), Softmax, MatMul (values). Not what the
-  exported graphs run: the cost a kernel reading the one key/value head once would have.
+  cache's first `depth` positions: Gemm (keys transposed), Softmax, MatMul (values): the form a
+  `gguf` target's global layers of one key/value head compute (export/grouped_attention.py), here
+  without its mask.
 
 Writes benchmarks/results/attention_kernel.{md,json,png}; `--report` writes the table and plot again.
 """
