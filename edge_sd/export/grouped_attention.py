@@ -18,7 +18,10 @@ product reads the layer's whole cache from a second input over the same buffer, 
 one). Positions from the forward's own on are masked by position, so a host may bind more of the
 buffer than is written (edge-sd binds a multiple of 64 positions and rebinds as the text grows).
 The product is made to read the buffer after the writer has run: its query rows are reshaped with
-a shape read off the writer's output.
+a shape read off the writer's output. The `whole.*` inputs have no default (an empty one would give
+wrong attention, and switching between the two forms with an `If` made a step nearly three times
+slower): onnxruntime-genai, which binds only the inputs it knows, is given the graph as it was
+before this rewrite (`write_genai_graph`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,24 @@ from edge_sd.export.attention_steps import PREFIX, count_from
 from edge_sd.manifest import GLOBAL_INPUT, WHOLE_PREFIX
 
 GLOBAL_PREFIX = "/global_view"
+# The graph onnxruntime-genai runs where model.onnx takes inputs it does not bind (genai_config.json
+# names it); it reads the same external weights file.
+GENAI_GRAPH = "genai_model.onnx"
+
+
+def write_genai_graph(folder: Path) -> None:
+    """Keep the folder's graph as it is now for onnxruntime-genai: a copy that genai_config.json
+    names (where there is one), before a rewrite that adds inputs genai does not bind."""
+    import json
+    import shutil
+
+    config = folder / "genai_config.json"
+    if not config.is_file():
+        return
+    shutil.copyfile(folder / "model.onnx", folder / GENAI_GRAPH)
+    data = json.loads(config.read_text())
+    data["model"]["decoder"]["filename"] = GENAI_GRAPH
+    config.write_text(json.dumps(data, indent=4) + "\n")
 
 
 def grouped_global(model_path: Path) -> list[str]:
@@ -120,5 +141,6 @@ def grouped_global(model_path: Path) -> list[str]:
         raise ExportError(f"{model_path}: an attention output to replace was not found")
     del g.node[:]
     g.node.extend(ordered)
+    write_genai_graph(model_path.parent)  # the graph on disk is still the one before
     save_graph(model, model_path)
     return [node.input[3] for node, _, _ in chosen]
