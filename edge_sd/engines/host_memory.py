@@ -64,12 +64,12 @@ def give_back() -> None:
 def map_large_blocks() -> bool:
     """Fix glibc's mmap threshold, once per process; whether it was set (False off glibc, or where the
     environment sets it)."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or platform.libc_ver()[0] != "glibc":
+    libc = _libc()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or libc is None:
         return False
     try:
-        libc = ctypes.CDLL(None)
         if not os.environ.get("MALLOC_TRIM_THRESHOLD_"):
             libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
         return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
