@@ -18,7 +18,10 @@ tools on the same number of threads. llama.cpp's rate by its `eval time` alone i
 
 Prompt sets: code (HumanEval) and summaries (Lee news articles), from the 5th prompt of each on (the
 first 4 calibrate DISCO in scripts/real_pair.sh), and prose (story and essay openings written for this
-benchmark, below). `--perplexity` adds perplexity on the first news articles, computed the way
+benchmark, below). `--sets long-code,long-summarisation` runs the prompts of 1k to 4.6k tokens instead
+(whole code files to continue, news digests to summarise; edge_sd/tools/prompt_sets.py), from the
+first on, into benchmarks/results/llama_cpp_long.*; `--modes greedy` leaves out the sampled rows.
+`--perplexity` adds perplexity on the first news articles, computed the way
 `llama-perplexity` computes it (chunks of --ctx tokens, each scored on its second half), for the pair's
 target and llama.cpp on the same text.
 
@@ -81,11 +84,21 @@ SAMPLING = {"greedy": SamplingConfig(), "sample": SamplingConfig(1.0), "chat": C
 ALL_ROWS = {"edge-sd plain, fp32": ("edge-sd", "greedy"), **ROWS}
 
 
-def prompt_list(per_set: int, skip: int) -> list[tuple[str, str]]:
+LABELS = {"code": "code", "summarisation": "summaries", "long-code": "code files",
+          "long-summarisation": "news digests"}
+SHORT_SETS = ("code", "summarisation", "prose")
+MODES = ("greedy", "sample", "chat")
+
+
+def prompt_list(sets: list[str], per_set: int, skip: int) -> list[tuple[str, str]]:
+    """(set label, prompt) for each set's prompts, one set after the other; long sets from the first."""
     out = []
-    for name, label in (("code", "code"), ("summarisation", "summaries")):
-        out += [(label, p.text) for p in prompt_sets.load(name, CACHE, skip + per_set)[skip:]]
-    out += [("prose", t) for t in PROSE[:per_set]]
+    for name in sets:
+        if name == "prose":
+            out += [("prose", t) for t in PROSE[:per_set]]
+            continue
+        first = 0 if name in prompt_sets.LONG_SETS else skip
+        out += [(LABELS[name], p.text) for p in prompt_sets.load(name, CACHE, first + per_set)[first:]]
     return out
 
 
@@ -159,11 +172,22 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256, help="perplexity chunk length")
     ap.add_argument("--fp32", type=Path, default=None, help="an fp32 export of the same GGUF (a single engine): "
                     "a plain-decoding row and its perplexity beside the pair's target")
-    ap.add_argument("--no-chat", action="store_true", help="without the chat-setting rows")
+    ap.add_argument("--no-chat", action="store_true", help="without the chat-setting rows (--modes greedy,sample)")
+    ap.add_argument("--modes", default=",".join(MODES), help="which of greedy, sample (T=1) and chat to run")
+    ap.add_argument("--sets", default=",".join(SHORT_SETS),
+                    help=f"prompt sets, of {', '.join(SHORT_SETS + prompt_sets.LONG_SETS)}")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
+    sets = args.sets.split(",")
+    unknown = [x for x in sets if x not in SHORT_SETS + prompt_sets.LONG_SETS]
+    modes = [m for m in args.modes.split(",") if not (args.no_chat and m == "chat")]
+    if unknown or not set(modes) <= set(MODES) or "greedy" not in modes:
+        sys.exit(f"--sets takes {', '.join(SHORT_SETS + prompt_sets.LONG_SETS)}; --modes takes "
+                 f"{', '.join(MODES)}, greedy among them")
+    # Long prompts have results of their own beside the short ones.
+    name = "llama_cpp_long" if any(x in prompt_sets.LONG_SETS for x in sets) else "llama_cpp"
     if args.report:
-        write_results(args.out, "llama_cpp", report, plot)
+        write_results(args.out, name, report, plot)
         return
     if args.llama_bin is None:
         sys.exit("--llama-bin: the folder of llama.cpp's binaries (bash benchmarks/llama_cpp.sh prints it)")
@@ -175,10 +199,13 @@ def main() -> None:
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
     pipe = Pipeline.from_folder(args.pair, threads=args.threads)
     fp32 = Pipeline.from_folder(args.fp32, threads=args.threads) if args.fp32 else None
-    rows = {k: v for k, v in (ROWS if fp32 is None else ALL_ROWS).items() if not (args.no_chat and v[1] == "chat")}
-    llama = LlamaCpp(args.llama_bin, gguf, args.threads)
-    prompts = prompt_list(args.per_set, args.skip)
+    rows = {k: v for k, v in (ROWS if fp32 is None else ALL_ROWS).items() if v[1] in modes}
+    prompts = prompt_list(sets, args.per_set, args.skip)
     n = args.max_new_tokens
+    # llama.cpp's cache holds the longest prompt and its new tokens (edge-sd's holds what it was
+    # exported for, and says so where a prompt does not fit).
+    longest = max(len(pipe.target.vocab.encode_text(text)) for _, text in prompts)
+    llama = LlamaCpp(args.llama_bin, gguf, args.threads, ctx=max(2048, longest + n + 16))
     # Warm-up: load-time calibration of auto, and the first forwards of each shape.
     for p in (pipe, fp32):
         if p is not None:
@@ -195,10 +222,11 @@ def main() -> None:
         runs["edge-sd auto"]["equal_to_plain"] = runs["edge-sd auto"]["ids"] == runs["edge-sd plain"]["ids"]
         runs["llama.cpp plain"] = _llama(llama.plain(text, n, SAMPLING["greedy"], seed))
         runs["llama.cpp n-gram"] = _llama(llama.ngram(text, n, SAMPLING["greedy"], seed))
-        runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", "sample", seed)
-        runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", "sample", seed)
-        runs["llama.cpp plain, T=1"] = _llama(llama.plain(text, n, SAMPLING["sample"], seed))
-        if not args.no_chat:
+        if "sample" in modes:
+            runs["edge-sd plain, T=1"] = _edge(pipe, text, n, "plain", "sample", seed)
+            runs["edge-sd auto, T=1"] = _edge(pipe, text, n, "auto", "sample", seed)
+            runs["llama.cpp plain, T=1"] = _llama(llama.plain(text, n, SAMPLING["sample"], seed))
+        if "chat" in modes:
             runs["edge-sd plain, chat"] = _edge(pipe, text, n, "plain", "chat", seed)
             runs["edge-sd auto, chat"] = _edge(pipe, text, n, "auto", "chat", seed)
             runs["llama.cpp plain, chat"] = _llama(llama.plain(text, n, SAMPLING["chat"], seed))
@@ -217,7 +245,7 @@ def main() -> None:
     if args.perplexity:
         result["perplexity"] = perplexity(pipe, fp32, args.llama_bin / "llama-perplexity", gguf, args.perplexity,
                                           args.ctx, args.threads)
-    print(write_results(args.out, "llama_cpp", report, plot, result))
+    print(write_results(args.out, name, report, plot, result))
 
 
 def medians(result: dict) -> dict[str, dict[str, float]]:
@@ -264,6 +292,8 @@ def report(result: dict) -> str:
         "interleaved. Command: `python benchmarks/llama_cpp.py --llama-bin \"$(bash benchmarks/llama_cpp.sh)\" "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in result["options"].items()
                    if k in ("per_set", "max_new_tokens", "perplexity") and v not in ("0",))
+        + "".join(f" --{k} {v}" for k, v in result["options"].items()
+                  if k in ("sets", "modes") and v not in (",".join(SHORT_SETS), ",".join(MODES)))
         + (" --fp32 FOLDER" if result["options"].get("fp32") not in (None, "None") else "") + "`"
         + (" (FOLDER: the same file exported with `edge-sd export --precision fp32`)."
            if result["options"].get("fp32") not in (None, "None") else "."),
@@ -290,7 +320,9 @@ def report(result: dict) -> str:
         *([("edge-sd plain / edge-sd plain, fp32 target", "edge-sd plain", ["edge-sd plain, fp32"])]
           if "edge-sd plain, fp32" in med else []),
     ):
-        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}x" for v in ratios(result, label, against).values()) + " |")
+        if label in med and all(a in med for a in against):
+            lines.append(f"| {name} | "
+                         + " | ".join(f"{v:.2f}x" for v in ratios(result, label, against).values()) + " |")
     lines += _eval_only(result, sets)
     equal = sum(r["runs"]["edge-sd auto"]["equal_to_plain"] for r in result["records"])
     lines += ["", f"edge-sd auto's greedy output equal to its plain decoding: {equal} of {len(result['records'])} "
@@ -312,7 +344,7 @@ def _eval_only(result: dict, sets: list[str]) -> list[str]:
     """llama-completion's rows timed by its `eval time` alone, without its sampler (as results before
     commit 7f9469c timed them), and the ratios above against them."""
     labels = ("llama.cpp plain", "llama.cpp plain, T=1")
-    if not all(r["runs"][label].get("eval_s") for r in result["records"] for label in labels):
+    if not all(r["runs"].get(label, {}).get("eval_s") for r in result["records"] for label in labels):
         return []
     alone = {"records": [{"set": r["set"], "runs": {**r["runs"], **{
         label: {"rate": r["runs"][label]["tokens"] / r["runs"][label]["eval_s"]} for label in labels}}}

@@ -27,6 +27,23 @@ def test_prompt_sets_come_from_the_registries() -> None:
         prompts.load("summarisation", CACHE, 51)
 
 
+def test_long_prompt_sets_are_whole_files_and_digests_of_1k_to_4k_tokens() -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(CACHE / "tokenizers" / "gemma3" / "tokenizer.json"))
+    code = prompts.load("long-code", CACHE, 8)
+    news = prompts.load("long-summarisation", CACHE, 8)
+    for group in (code, news):
+        sizes = [len(tok.encode(p.text).ids) for p in group]
+        assert all(900 <= n <= 4800 for n in sizes), sizes
+        assert sizes[3] > 3 * sizes[0]  # the sizes cycle from about 1k to about 4k tokens
+        assert len({p.text for p in group}) == len(group)
+    # A code file ends at an unsolved problem's docstring, after whole solved ones.
+    problems = {p.text for p in prompts.load("code", CACHE, 164)}
+    assert code[0].text.endswith('"""\n') and any(code[0].text.endswith(p) for p in problems)
+    assert code[0].text.count("def ") >= 5
+    assert news[0].text.endswith("Summary:") and news[0].text.count("\n\n") >= 4
+
 def test_disco_rows_run_at_their_calibrated_k() -> None:
     """DISCO's rows draft up to the k its classifier was calibrated for (capped at a shorter k it can
     only cut drafts); the other schedules run at the first k."""

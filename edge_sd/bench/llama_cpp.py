@@ -59,10 +59,11 @@ def sampling_args(cfg: SamplingConfig) -> list[str]:
             "--min-p", str(cfg.min_p), *penalties, "--samplers", SAMPLERS]
 
 
-def tool_args(gguf: Path, n: int, threads: int, sampling: SamplingConfig, seed: int) -> list[str]:
-    """Arguments both tools share: the model, n new tokens, threads, the sampler chain, the seed."""
+def tool_args(gguf: Path, n: int, threads: int, sampling: SamplingConfig, seed: int, ctx: int) -> list[str]:
+    """Arguments both tools share: the model, n new tokens, threads, the sampler chain, the seed, the
+    context (positions the KV cache holds)."""
     return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
-            "-c", "2048", *sampling_args(sampling)]
+            "-c", str(ctx), *sampling_args(sampling)]
 
 
 def run_tool(binary: Path, args: list[str], prompt: str, speculative: bool) -> Timing:
@@ -117,10 +118,10 @@ def version(folder: Path) -> str:
 
 
 class LlamaCpp:
-    """llama.cpp's tools in `folder`, run on `gguf` with `threads` threads."""
+    """llama.cpp's tools in `folder`, run on `gguf` with `threads` threads and a `ctx`-position cache."""
 
-    def __init__(self, folder: Path, gguf: Path, threads: int):
-        self.folder, self.gguf, self.threads = Path(folder), Path(gguf), threads
+    def __init__(self, folder: Path, gguf: Path, threads: int, ctx: int = 2048):
+        self.folder, self.gguf, self.threads, self.ctx = Path(folder), Path(gguf), threads, ctx
         missing = [t for t in (COMPLETION, SPECULATIVE) if not (self.folder / t).is_file()]
         if missing:
             raise UsageError(f"{self.folder} lacks llama.cpp's {', '.join(missing)} "
@@ -130,10 +131,10 @@ class LlamaCpp:
                              "from (give it with --gguf)")
 
     def plain(self, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> Timing:
-        args = tool_args(self.gguf, n, self.threads, sampling, seed) + list(PLAIN_ARGS)
+        args = tool_args(self.gguf, n, self.threads, sampling, seed, self.ctx) + list(PLAIN_ARGS)
         return run_tool(self.folder / COMPLETION, args, prompt, speculative=False)
 
     def ngram(self, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> Timing:
         """n-gram speculation: the target's own draws decide, drafts accepted where they match."""
-        args = tool_args(self.gguf, n, self.threads, sampling, seed) + list(NGRAM_ARGS)
+        args = tool_args(self.gguf, n, self.threads, sampling, seed, self.ctx) + list(NGRAM_ARGS)
         return run_tool(self.folder / SPECULATIVE, args, prompt, speculative=True)

@@ -27,7 +27,15 @@ SOURCES = {
                             "a878f9a58f6743c32985c56c2f2f75988386216b38a4023a01fd3bcf7884d93e"),
 }
 SETS = tuple(SOURCES)
+LONG_SETS = ("long-code", "long-summarisation")
 SUMMARY_TEMPLATE = "Article: {article}\n\nSummarize the article above in one sentence.\nSummary:"
+DIGEST_TEMPLATE = "{articles}\n\nSummarize the news articles above in a few sentences.\nSummary:"
+# The long prompts' sizes in characters, cycled over the prompts: about 1k, 2k, 3k and 4k tokens of
+# Gemma-3's tokenizer, which takes about 4.9 characters a token of the news and 2.9 of the code (its
+# indentation).
+LONG_CHARS = {"long-code": (3000, 6000, 9000, 12000), "long-summarisation": (5000, 10000, 15000, 20000)}
+# Consecutive long prompts start this many source items apart, so that each is a different text.
+LONG_STRIDE = 7
 
 
 @dataclass(frozen=True)
@@ -47,16 +55,46 @@ def articles(cache: Path, count: int) -> list[str]:
 
 def load(name: str, cache: Path, count: int) -> list[Prompt]:
     """The first `count` prompts of a set (in the source's own order)."""
+    if name in LONG_SETS:
+        return _long(name, cache, count)
     if name not in SOURCES:
-        raise UsageError(f"unknown prompt set {name!r}; choose from {', '.join(SETS)}")
+        raise UsageError(f"unknown prompt set {name!r}; choose from {', '.join(SETS + LONG_SETS)}")
     path = fetch(SOURCES[name], cache)
     if name == "code":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        prompts = [Prompt(name, r["task_id"], r["prompt"]) for r in rows]
+        prompts = [Prompt(name, r["task_id"], r["prompt"]) for r in _problems(path)]
     else:
         prompts = [Prompt(name, f"lee/{i}", SUMMARY_TEMPLATE.format(article=a))
                    for i, a in enumerate(articles(cache, 10**6))]
     if count > len(prompts):
         raise UsageError(f"the {name} set has {len(prompts)} prompts; asked for {count}")
     return prompts[:count]
+
+
+def _problems(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _long(name: str, cache: Path, count: int) -> list[Prompt]:
+    """`count` long prompts: source items taken in order from a start LONG_STRIDE items after the
+    previous prompt's (wrapping around) until the prompt holds LONG_CHARS[name][i % 4] characters."""
+    if name == "long-code":
+        problems = _problems(fetch(SOURCES["code"], cache))
+        items = [r["prompt"] + r["canonical_solution"] for r in problems]
+        tails = [r["prompt"] for r in problems]
+    else:
+        items = articles(cache, 10**6)
+    out = []
+    for i in range(count):
+        start, size = i * LONG_STRIDE, LONG_CHARS[name][i % len(LONG_CHARS[name])]
+        parts: list[str] = []
+        j = start
+        while sum(map(len, parts)) < size and j - start < len(items):
+            parts.append(items[j % len(items)])
+            j += 1
+        if name == "long-code":
+            text = "\n\n".join(p.strip("\n") for p in parts) + "\n\n\n" + tails[j % len(items)]
+        else:
+            text = DIGEST_TEMPLATE.format(articles="\n\n".join(parts))
+        out.append(Prompt(name, f"{name}/{start % len(items)}+{j - start}", text))
+    return out
