@@ -61,9 +61,10 @@ def sampling_args(cfg: SamplingConfig) -> list[str]:
 
 def tool_args(gguf: Path, n: int, threads: int, sampling: SamplingConfig, seed: int, ctx: int) -> list[str]:
     """Arguments both tools share: the model, n new tokens, threads, the sampler chain, the seed, the
-    context (positions the KV cache holds)."""
+    context (positions the KV cache holds). The logical batch is the whole context because
+    llama-speculative-simple refuses a prompt longer than one batch."""
     return ["-m", str(gguf), "-n", str(n), "-t", str(threads), "-tb", str(threads), "--seed", str(seed),
-            "-c", str(ctx), *sampling_args(sampling)]
+            "-c", str(ctx), "-b", str(ctx), *sampling_args(sampling)]
 
 
 def run_tool(binary: Path, args: list[str], prompt: str, speculative: bool) -> Timing:
