@@ -73,8 +73,10 @@ def test_large_blocks_stay_mapped_once_the_threshold_is_fixed() -> None:
     assert not from_heap("fix")
 
 
-# 64 blocks of 1 MiB (under the fixed threshold: from the heap) written and freed, one small block
-# kept after them so that the heap's top is not free: their pages stay resident until given back.
+# 64 blocks of 1 MiB (under the fixed threshold: from the heap) written and freed, each followed by a
+# small block that is kept, so that they are holes inside the heap rather than its free top (which
+# free() gives back itself; one kept block after them all is not enough, as malloc may place it in an
+# older hole below): their pages stay resident until given back.
 # Prints the resident memory (VmRSS, KiB) after freeing and after give_back.
 _TRIM_PROBE = """
 import ctypes
@@ -86,8 +88,10 @@ libc.free.argtypes = [ctypes.c_void_p]
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-blocks = [libc.malloc(1 << 20) for _ in range(64)]
-keep = libc.malloc(4096)
+blocks, kept = [], []
+for _ in range(64):
+    blocks.append(libc.malloc(1 << 20))
+    kept.append(libc.malloc(4096))
 for b in blocks:
     ctypes.memset(b, 1, 1 << 20)
 for b in blocks:

@@ -201,8 +201,9 @@ def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
     views = pipe.target.manifest.window_views
     assert views["layers"] == [i for i in range(18) if i % 6 != 5] and views["window"] == 512
     assert views["granule"] in WINDOW_GRANULES  # measured at export: the smallest that is exact
-    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=1400)]
     granule = views["granule"]
+    # Enough positions for the forwards up to 600 + 4 granules (the largest granule's too).
+    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=600 + 4 * granule + 32)]
     forwards, unequal, offset = _views_against_whole(pipe, granule, ids, 600, 600 + 4 * granule)
     assert unequal == 0 and forwards > 50 and offset >= 2 * granule
     forwards, unequal, offset = _views_against_whole(pipe, granule // 2, ids, 600, 800)
