@@ -14,9 +14,10 @@ import datetime
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 from edge_sd import GenerationConfig, Pipeline
-from edge_sd.algorithms import lookup
+from edge_sd.algorithms import lookup, menu
 from edge_sd.bench.run import machine
 from edge_sd.tools import prompt_sets
 from edge_sd.tools.paths import cache_dir
@@ -26,50 +27,42 @@ SETTINGS = {"greedy": {}, "chat": dict(temperature=0.8, top_k=40, top_p=0.95, mi
 OUT = Path(__file__).resolve().parent / "results" / "lookup_frequency.md"
 
 
-ORIGINAL = {name: getattr(lookup.LookupProposer, name) for name in ("_index", "follow", "_continuation")}
+class FrequentProposer(lookup.LookupProposer):
+    """Each step proposes the successor seen most often after the longest matching n-gram (ties: the
+    latest), then walks on from the proposal."""
 
+    def __init__(self, history):
+        super().__init__(history)
+        # n-gram -> {successor: (times seen, latest position)}
+        self.counts: dict[tuple[int, ...], dict[int, tuple[int, int]]] = defaultdict(dict)
 
-def _counts(self) -> dict[tuple[int, ...], dict[int, tuple[int, int]]]:
-    if not hasattr(self, "counts"):
-        self.counts = defaultdict(dict)
-    return self.counts
+    def _index(self) -> None:
+        h = self.history
+        for end in range(max(self._indexed, 1), len(h)):
+            for n in range(lookup.NGRAM_MIN, lookup.NGRAM_MAX + 1):
+                if end - n >= 0:
+                    seen = self.counts[tuple(h[end - n : end])]
+                    seen[h[end]] = (seen.get(h[end], (0, 0))[0] + 1, end)
+        self._indexed = max(self._indexed, len(h))
 
+    def follow(self, committed) -> None:
+        super().follow(committed)
+        if self._indexed == 0:  # the history was cut back: indexed anew
+            self.counts.clear()
 
-def frequent_index(self) -> None:
-    """n-gram -> {successor: (times seen, latest position)}."""
-    h, counts = self.history, _counts(self)
-    for end in range(max(self._indexed, 1), len(h)):
-        for n in range(lookup.NGRAM_MIN, lookup.NGRAM_MAX + 1):
-            if end - n >= 0:
-                seen = counts[tuple(h[end - n : end])]
-                seen[h[end]] = (seen.get(h[end], (0, 0))[0] + 1, end)
-    self._indexed = max(self._indexed, len(h))
-
-
-def frequent_follow(self, committed) -> None:
-    ORIGINAL["follow"](self, committed)
-    if self._indexed == 0:
-        _counts(self).clear()
-
-
-def frequent_continuation(self, k: int) -> list[int]:
-    """Each step the successor seen most often after the longest matching n-gram (ties: the latest),
-    then on from the proposal."""
-    self._index()
-    ctx, out, counts = list(self.history), [], _counts(self)
-    while len(out) < k:
-        for n in range(lookup.NGRAM_MAX, lookup.NGRAM_MIN - 1, -1):
-            seen = counts.get(tuple(ctx[-n:])) if len(ctx) >= n else None
-            if seen:
-                out.append(max(seen.items(), key=lambda kv: kv[1])[0])
-                ctx.append(out[-1])
+    def _continuation(self, k: int) -> list[int]:
+        self._index()
+        ctx, out = list(self.history), []
+        while len(out) < k:
+            for n in range(lookup.NGRAM_MAX, lookup.NGRAM_MIN - 1, -1):
+                seen = self.counts.get(tuple(ctx[-n:])) if len(ctx) >= n else None
+                if seen:
+                    out.append(max(seen.items(), key=lambda kv: kv[1])[0])
+                    ctx.append(out[-1])
+                    break
+            else:
                 break
-        else:
-            break
-    return out
-
-
-FREQUENT = {"_index": frequent_index, "follow": frequent_follow, "_continuation": frequent_continuation}
+        return out
 
 
 def main() -> None:
@@ -81,17 +74,13 @@ def main() -> None:
     pipe = Pipeline.from_folder(args.pair)
     rows = []
     for mode in args.modes.split(","):
-        for name, methods in (("latest occurrence", ORIGINAL), ("most frequent", FREQUENT)):
-            for attr, fn in methods.items():
-                setattr(lookup.LookupProposer, attr, fn)
-            try:
+        for name, proposer in (("latest occurrence", lookup.LookupProposer), ("most frequent", FrequentProposer)):
+            # The algorithm menu builds lookup's proposer: it builds the variant's instead.
+            with mock.patch.object(menu, "LookupProposer", proposer):
                 stats = [pipe.generate(p, GenerationConfig(max_new_tokens=64, algorithm="lookup",
                                                            schedule="static", lookahead=6, seed=1000 + i,
                                                            **SETTINGS[mode])).stats
                          for i, p in enumerate(prompts)]
-            finally:
-                for attr, fn in ORIGINAL.items():
-                    setattr(lookup.LookupProposer, attr, fn)
             acc, prop = sum(s.accepted for s in stats), sum(s.proposed for s in stats)
             tpf = [s.tokens_per_target_forward for s in stats]
             rows.append(f"| {mode} | {name} | {statistics.median(tpf):.2f} | {statistics.mean(tpf):.2f} "

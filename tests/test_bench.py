@@ -44,6 +44,7 @@ def test_long_prompt_sets_are_whole_files_and_digests_of_1k_to_4k_tokens() -> No
     assert code[0].text.count("def ") >= 5
     assert news[0].text.endswith("Summary:") and news[0].text.count("\n\n") >= 4
 
+
 def test_disco_rows_run_at_their_calibrated_k() -> None:
     """DISCO's rows draft up to the k its classifier was calibrated for (capped at a shorter k it can
     only cut drafts); the other schedules run at the first k."""

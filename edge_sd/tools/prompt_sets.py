@@ -88,9 +88,10 @@ def _long(name: str, cache: Path, count: int) -> list[Prompt]:
     for i in range(count):
         start, size = i * LONG_STRIDE, LONG_CHARS[name][i % len(LONG_CHARS[name])]
         parts: list[str] = []
-        j = start
-        while sum(map(len, parts)) < size and j - start < len(items):
+        j, chars = start, 0
+        while chars < size and j - start < len(items):
             parts.append(items[j % len(items)])
+            chars += len(parts[-1])
             j += 1
         if name == "long-code":
             text = "\n\n".join(p.strip("\n") for p in parts) + "\n\n\n" + tails[j % len(items)]
