@@ -1,7 +1,8 @@
 """GGUF files of each architecture and block type, made by llama.cpp's own tools, exported by edge-sd
 and compared with llama.cpp on the same file: token ids, next-token logits, greedy continuations.
 
-For each architecture a small model (random weights, the dimensions llama.cpp's K-quants need) is
+For each architecture a small model (random weights, or trained for --train-steps steps on news and
+code so that its next-token distributions are peaked; the dimensions llama.cpp's K-quants need) is
 written with a real tokenizer (the npm tokenizer packages the set-up installs), converted to GGUF by
 the `convert_hf_to_gguf.py` llama.cpp vendors, quantized to each block type by `llama-quantize`, and
 exported with `edge-sd export` from the file alone. Then, on the same file:
@@ -15,9 +16,10 @@ exported with `edge-sd export` from the file alone. Then, on the same file:
 Not part of the set-up or the tests (they check the same export against the `gguf` package's own
 dequantization on files they write). Needs benchmarks/llama_cpp.sh's build and the bench extra (sentencepiece).
 
-    .venv/bin/python benchmarks/gguf_architectures.py [--arch llama,qwen3] [--types Q4_K,Q8_0]
+    .venv/bin/python benchmarks/gguf_architectures.py [--arch llama,qwen3] [--types Q4_K,Q8_0] [--train-steps 300]
 
-Writes benchmarks/results/gguf_architectures.{md,json}.
+Writes benchmarks/results/gguf_architectures.{md,json} (with --train-steps,
+gguf_architectures_trained.{md,json}).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    if n < 2:\n  
            "Q: What is 17 times 3?\nA:", "<html>\n  <body>\n    <h1>", "Once upon a time, in a small village",
            "SELECT name, COUNT(*) FROM users GROUP BY"]
 N_GEN = 16
+# Training (--train-steps): sequences of TRAIN_SEQ tokens, TRAIN_BATCH a step.
+TRAIN_SEQ, TRAIN_BATCH, TRAIN_LR = 128, 8, 2e-3
 
 
 def tools() -> Path:
@@ -89,8 +93,9 @@ def llama_logits(bin_dir: Path, work: Path) -> Path:
     return exe
 
 
-def small_model(arch: str, folder: Path) -> Path:
-    """A random-weight model of `arch` with its family's real tokenizer, saved as an HF folder."""
+def small_model(arch: str, folder: Path, steps: int = 0) -> tuple[Path, float | None]:
+    """A small model of `arch` with its family's real tokenizer, saved as an HF folder: random
+    weights, trained for `steps` steps where steps > 0 (`train`); and the last training loss."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -110,8 +115,36 @@ def small_model(arch: str, folder: Path) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=vocab, **(DIMS | extra))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    loss = train(model, Tokenizer.from_file(str(folder / "tokenizer.json")), steps, arch) if steps else None
     model.save_pretrained(folder)
-    return folder
+    return folder, loss
+
+
+def train(model, tokenizer, steps: int, arch: str) -> float:
+    """Train the model for `steps` steps on English news and Python (the Lee corpus' articles and
+    HumanEval's prompts, none of them a compared prompt), so that its next-token distributions are
+    peaked as a language model's are rather than flat; returns the last step's loss."""
+    import torch
+
+    from edge_sd.tools import prompt_sets
+
+    texts = prompt_sets.articles(cache_dir(), 10**6) + [p.text for p in prompt_sets.load("code", cache_dir(), 164)]
+    data = torch.tensor([i for x in texts for i in tokenizer.encode(x, add_special_tokens=False).ids])
+    rng = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - TRAIN_SEQ, (TRAIN_BATCH,), generator=rng).tolist()
+        batch = torch.stack([data[s:s + TRAIN_SEQ] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            print(f"{arch}: trained {step + 1}/{steps} steps, loss {loss.item():.2f}", file=sys.stderr, flush=True)
+    model.eval()
+    return float(loss.item())
 
 
 def sentencepiece_model(tokenizer_json: Path, source: str, dest: Path) -> None:
@@ -184,6 +217,32 @@ def llama_tokenize(bin_dir: Path, gguf: Path, text: str) -> list[int]:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def fp32_logits(gguf: Path, prompts: list[list[int]]) -> np.ndarray:
+    """Every prompt position's next-token logits from the file's weights dequantized to fp32 and run
+    by transformers, read as llama.cpp reads the file: the arithmetic both tools approximate."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from edge_sd.export.gguf_tokenizer import read_fields, scalar
+    from edge_sd.export.hf import _as_llama_cpp_reads
+
+    fields = read_fields(gguf)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _as_llama_cpp_reads(config, scalar(fields, "general.architecture"), fields)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                 dtype="float32").eval()
+    with torch.no_grad():
+        return np.concatenate([model(torch.tensor([ids])).logits[0].float().numpy() for ids in prompts])
+
+
+def against_fp32(exact: np.ndarray, **sides: np.ndarray) -> dict:
+    """Per side (edge-sd, llama.cpp): prompt positions whose argmax equals the fp32 reference's, and
+    the largest logit difference from it."""
+    return {"top1_vs_fp32": {k: f"{int((v.argmax(1) == exact.argmax(1)).sum())}/{len(exact)}"
+                             for k, v in sides.items()},
+            "max_diff_vs_fp32": {k: float(np.abs(v - exact).max()) for k, v in sides.items()}}
+
+
 def compare(arch: str, kind: str, gguf: Path, engine: Path, bin_dir: Path, exe: Path, work: Path) -> dict:
     from edge_sd import GenerationConfig, Pipeline
 
@@ -238,7 +297,9 @@ def compare(arch: str, kind: str, gguf: Path, engine: Path, bin_dir: Path, exe: 
         t.engine.reset()
         row = np.sort(t.engine.forward(np.asarray(ids + out[:at], dtype=np.int64), last=1)[-1])
         split_at_tie += bool(row[-1] - row[-2] <= diff.max())
-    return {"tokens_equal": f"{tokens_equal}/{len(texts)}", "top1": f"{int(agree.sum())}/{len(agree)}",
+    exact = fp32_logits(gguf, prompts)[:, :theirs.shape[1]]
+    return against_fp32(exact, **{"edge-sd": ours_all, "llama.cpp": theirs}) | {
+            "tokens_equal": f"{tokens_equal}/{len(texts)}", "top1": f"{int(agree.sum())}/{len(agree)}",
             "near_ties": int(near.sum()), "disagree_not_near": int((~agree & ~near).sum()),
             "max_diff": float(diff.max()), "logit_scale": float(np.abs(theirs).max()), "rel_diff_vs_fp32": vs_fp32,
             "greedy_equal": f"{greedy}/{len(prompts)}", "greedy_split_at_near_tie": split_at_tie}
@@ -250,6 +311,9 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--every-type", default="", help="architectures that get every type, whatever --types says")
     ap.add_argument("--keep", type=Path, help="keep the files made here")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="train each model this many steps on text before converting it (0: random weights)")
+    ap.add_argument("-o", "--out", type=Path, default=RESULTS, help="results folder [benchmarks/results]")
     args = ap.parse_args()
     bin_dir = tools()
     work = args.keep or Path(tempfile.mkdtemp(prefix="edge-sd-gguf-arch-"))
@@ -258,11 +322,11 @@ def main() -> None:
     edge_sd = Path(sys.executable).parent / "edge-sd"
     rows = []
     for arch in args.arch.split(","):
-        hf = small_model(arch, work / f"hf_{arch}")
+        hf, loss = small_model(arch, work / f"hf_{arch}", args.train_steps)
         f32 = work / f"{arch}-F32.gguf"
         error = convert(hf, f32, bin_dir)
         for kind in TYPES if arch in args.every_type.split(",") else args.types.split(","):
-            row: dict = {"arch": arch, "type": kind}
+            row: dict = {"arch": arch, "type": kind, "train_loss": loss}
             rows.append(row)
             gguf = work / f"{arch}-{kind}.gguf"
             error = error or quantize(f32, gguf, kind, bin_dir)
@@ -289,6 +353,15 @@ def main() -> None:
     write(rows, args)
 
 
+def _vs_fp32(r: dict) -> str:
+    """The two against-fp32 cells of a row ('' where it has none)."""
+    if "top1_vs_fp32" not in r:
+        return " | |"
+    top, diff = r["top1_vs_fp32"], r["max_diff_vs_fp32"]
+    return (f" {top['edge-sd']} / {top['llama.cpp'].split('/')[0]} |"
+            f" {diff['edge-sd']:.3f} / {diff['llama.cpp']:.3f} |")
+
+
 def _rel(x: float | None) -> str:
     return "" if x is None else f"{x:.1e}"
 
@@ -298,16 +371,21 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
 
     import onnxruntime
 
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gguf_architectures.json").write_text(json.dumps(rows, indent=1) + "\n")
+    name = "gguf_architectures_trained" if args.train_steps else "gguf_architectures"
+    fp32 = any("top1_vs_fp32" in r for r in rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     lines = [
         "# GGUF files of each architecture and block type, against llama.cpp",
         "",
         f"{time.strftime('%Y-%m-%d')}, {cpu} ({os.cpu_count()} cores), ONNX Runtime {onnxruntime.__version__}, "
-        "llama.cpp from llama-cpp-python 0.3.36. Small random-weight models (hidden 256, 2 layers; Gemma-3 6) "
-        "with their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
+        "llama.cpp from llama-cpp-python 0.3.36. Small models (hidden 256, 2 layers; Gemma-3 6) "
+        + (f"trained {args.train_steps} steps of {TRAIN_BATCH} x {TRAIN_SEQ} tokens on the Lee corpus' news "
+           "articles and HumanEval's prompts (none a compared prompt; last loss per row in the JSON) "
+           if args.train_steps else "with random weights ")
+        + "and their families' real tokenizers, converted by llama.cpp's `convert_hf_to_gguf.py`, quantized by "
         "`llama-quantize`, exported by `edge-sd export -t FILE.gguf` alone. Tokens: edge-sd's ids equal to "
         "`llama-tokenize`'s (special tokens parsed) on 8 varied texts, one with BOS and EOS inside, a Phi-3 "
         "turn and a chat as the engine's template renders it (where it has one). Top-1: prompt positions "
@@ -315,22 +393,29 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "are closer than the largest difference; "
         "greedy: 16-token continuations equal (in brackets: of the others, how many part where edge-sd's two "
         "best logits are that close). edge-sd vs fp32: the export's own check, its largest relative logit "
-        "difference from the file's weights dequantized and run in fp32 by transformers.",
+        "difference from the file's weights dequantized and run in fp32 by transformers."
+        + (" Top-1 as fp32 and max diff from fp32: each tool's prompt positions whose argmax equals that fp32 "
+           "run's (the same positions as top-1), and its largest logit difference from it." if fp32 else ""),
         "",
-        "Random weights give flat next-token distributions (least so with Gemma's scaled embeddings and "
-        "capped logits): many positions are near ties, where each side's rounding (int8 activations in "
+        ("Random weights give flat next-token distributions (least so with Gemma's scaled embeddings and "
+         "capped logits): many positions are near ties, " if not args.train_steps else
+         "Near ties are positions ")
+        + "where each side's rounding (int8 activations in "
         "edge-sd's MatMulNBits at accuracy level 4, q8 dot products in llama.cpp) can decide the argmax, and a "
         "greedy continuation parts at the first of them. Top-1 disagreements outside near ties, all rows: "
-        f"{sum(r.get('disagree_not_near', 0) for r in rows)}. How far llama.cpp itself is from fp32 is not "
-        "measured here; on the real Gemma-3-270M file edge-sd's perplexity is closer to its fp32 export's "
+        f"{sum(r.get('disagree_not_near', 0) for r in rows)}. "
+        + ("" if fp32 else "How far llama.cpp itself is from fp32 is not measured here. ")
+        + "On the real Gemma-3-270M file edge-sd's perplexity is closer to its fp32 export's "
         "than llama.cpp's ([llama_cpp.md](llama_cpp.md)).",
         "",
         f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}"
-        + (f" --every-type {args.every_type}" if args.every_type else ""),
+        + (f" --every-type {args.every_type}" if args.every_type else "")
+        + (f" --train-steps {args.train_steps}" if args.train_steps else ""),
         "",
         "| architecture | type | tokens | top-1 | near ties | max logit diff | edge-sd vs fp32 | greedy | export s "
-        "| refused / error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| refused / error |" + (" top-1 as fp32: edge-sd / llama.cpp | max diff from fp32: edge-sd / llama.cpp |"
+                                  if fp32 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fp32 else ""),
     ]
     for r in rows:
         problem = r.get("refused") or r.get("error") or ""
@@ -339,8 +424,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         lines.append(f"| {r['arch']} | {r['type']} | {r.get('tokens_equal', '')} | {r.get('top1', '')} | "
                      f"{r.get('near_ties', '')} | {diff} | {_rel(r.get('rel_diff_vs_fp32'))} | {greedy} | "
                      f"{r.get('export_s', '')} | "
-                     f"{problem.replace('|', '/')} |")
-    (RESULTS / "gguf_architectures.md").write_text("\n".join(lines) + "\n")
+                     f"{problem.replace('|', '/')} |" + (_vs_fp32(r) if fp32 else ""))
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
