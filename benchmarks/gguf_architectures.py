@@ -221,16 +221,11 @@ def fp32_logits(gguf: Path, prompts: list[list[int]]) -> np.ndarray:
     """Every prompt position's next-token logits from the file's weights dequantized to fp32 and run
     by transformers, read as llama.cpp reads the file: the arithmetic both tools approximate."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from edge_sd.export.gguf_tokenizer import read_fields, scalar
-    from edge_sd.export.hf import _as_llama_cpp_reads
+    from edge_sd.export.gguf_tokenizer import read_fields
+    from edge_sd.export.hf import load_gguf
 
-    fields = read_fields(gguf)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    _as_llama_cpp_reads(config, scalar(fields, "general.architecture"), fields)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
-                                                 dtype="float32").eval()
+    model = load_gguf(gguf, read_fields(gguf)).eval()
     with torch.no_grad():
         return np.concatenate([model(torch.tensor([ids])).logits[0].float().numpy() for ids in prompts])
 
@@ -354,7 +349,7 @@ def main() -> None:
 
 
 def _vs_fp32(r: dict) -> str:
-    """The two against-fp32 cells of a row ('' where it has none)."""
+    """The two against-fp32 cells of a row (empty where it has none)."""
     if "top1_vs_fp32" not in r:
         return " | |"
     top, diff = r["top1_vs_fp32"], r["max_diff_vs_fp32"]

@@ -110,7 +110,7 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
     transformers into an HF folder under `workdir`; the export and the validation subprocess then read
     that folder instead of parsing the GGUF twice.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = Path(src)
     if src.lower().endswith(".gguf"):
@@ -127,11 +127,7 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
         hf_dir = workdir / "hf"
         with step(f"load {path.name} (GGUF, dequantized to fp32)"):
             try:
-                config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-                _as_llama_cpp_reads(config, arch, fields)
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(path.parent), gguf_file=path.name, config=config, dtype="float32"
-                )
+                model = load_gguf(path, fields)
             except Exception as e:
                 raise ExportError(f"could not load GGUF {src}: {_short(e)}") from None
             model.save_pretrained(hf_dir)
@@ -147,6 +143,19 @@ def resolve_source(src: str, workdir: Path, step: Step, fields: dict[str, Any] |
     except Exception:
         tok = None  # a model without an HF tokenizer still exports with --tokenizer
     return src, tok
+
+
+def load_gguf(path: Path, fields: dict[str, Any]) -> Any:
+    """The GGUF file's model through transformers, its weights dequantized to fp32 and its
+    configuration as llama.cpp reads the file (`fields`: its metadata, gguf_tokenizer.read_fields)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from edge_sd.export.gguf_tokenizer import scalar
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    _as_llama_cpp_reads(config, scalar(fields, "general.architecture"), fields)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                dtype="float32")
 
 
 # llama.cpp scales Gemma-2 and Gemma-3 queries by the head size, except in its 27B layouts (by this
