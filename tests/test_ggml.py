@@ -72,3 +72,52 @@ def test_unsupported_type_is_refused_by_name() -> None:
 def test_blocks_shape() -> None:
     b = Blocks(np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32), np.zeros((2, 1), np.uint8), None, 4, 32)
     assert b.shape == (2, 32) and not b.weights().any()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"])
+def test_centred_blocks_keep_the_weights(type_name: str) -> None:
+    """Formats with a minimum are stored centred, w = s*(q - c) + (o + c*s): the same weights to within
+    float32 rounding, values on both sides of the zero point, 4-bit storage on the kernel's default 8."""
+    raw = random_rows(type_name, 6, 512)
+    b = unpack("w", type_name, raw, 512)
+    c = b.centred()
+    ref = reference(type_name, raw)
+    tol = 8 * np.finfo(np.float32).eps * np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(c.weights() - ref) <= tol).all()
+    values = c.q.astype(np.int16) - np.repeat(c.zero, c.block, axis=1)
+    assert values.min() < 0 < values.max()
+    if c.bits == 4:
+        assert (c.zero == 8).all()
+    six = unpack("w", "Q6_K", random_rows("Q6_K", 2, 256), 256)
+    assert six.centred() is six  # no minimum: as it was
+
+
+def test_centred_fused_rows_centre_only_the_blocks_with_a_minimum() -> None:
+    """Q4_K rows fused with Q6_K rows (8-bit storage): Q4_K's values centred on 8, not on Q6_K's 32."""
+    parts = [unpack(t, t, random_rows(t, 4, 256, seed=i), 256) for i, t in enumerate(["Q4_K", "Q6_K"])]
+    fused = concat(parts).centred()
+    assert (fused.zero[:4] == 8).all() and (fused.zero[4:] == 32).all()
+    np.testing.assert_allclose(fused.weights(), concat(parts).weights(), rtol=0, atol=1e-6)
+
+
+def test_centring_cancels_the_int8_rounding_of_the_activations() -> None:
+    """What centring is for: with activations rounded to int8 per block (as MatMulNBits at accuracy level 4
+    does) and the minimum's term taken from exact sums, all-positive values carry the rounding of every
+    activation into the product; centred, the error is llama.cpp's (the whole dot product from the same
+    int8 activations)."""
+    w = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32) * 0.05
+    b = unpack("w", "Q4_1", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), 256)  # as Q4_K: s*q + o
+    x = np.random.default_rng(4).standard_normal((32, 256)).astype(np.float64)
+    blocks = x.reshape(32, -1, b.block)
+    sx = np.abs(blocks).max(axis=-1, keepdims=True) / 127
+    xq = (np.round(blocks / sx) * sx).reshape(32, 256)
+    sums = blocks.sum(axis=-1)
+    exact = x @ b.weights().T.astype(np.float64)
+
+    def error(blk: Blocks) -> float:
+        body = blk.scale.repeat(blk.block, axis=1) * (blk.q.astype(np.float64) - blk.zero.repeat(blk.block, axis=1))
+        return float(np.abs(xq @ body.T + sums @ blk.offset.T - exact).mean())  # type: ignore[union-attr]
+
+    llama_cpp = float(np.abs(xq @ b.weights().T - exact).mean())
+    assert error(b.centred()) < 0.6 * error(b)
+    assert error(b.centred()) < 1.3 * llama_cpp

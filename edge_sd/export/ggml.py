@@ -8,7 +8,8 @@ a per-block offset. `unpack` turns a tensor's raw bytes into `Blocks`: values q 
 per block a float32 scale s, an integer zero point z and an offset o, so that each weight is
 `s * (q - z) + o`, computed in float32 in the order `gguf`'s own dequantization computes it (the scale
 of a K-quant block is the same float32 product). `Blocks.weights` evaluates that, and the export
-checks it against `gguf.quants.dequantize` bit for bit (export/gguf_graph.py).
+checks it against `gguf.quants.dequantize` bit for bit (export/gguf_graph.py). Blocks with an offset
+are then stored centred (`Blocks.centred`), equal to the file's weights to within float32 rounding.
 
 Values are stored 8 bits wide unless they fit in 4 (MatMulNBits takes 4 or 8); block sizes are
 kept (MatMulNBits takes powers of two from 16).
@@ -53,6 +54,31 @@ class Blocks:
         """These rows, in this order."""
         return Blocks(self.q[index], self.scale[index], self.zero[index],
                       None if self.offset is None else self.offset[index], self.bits, self.block)
+
+    def centred(self) -> Blocks:
+        """The same weights with each offset block's values centred on zero: w = s*(q - c) + (o + c*s),
+        c half the values' range. Why: ONNX Runtime quantizes the activations to int8, and the rounding
+        of x . (s*q) for all-positive q does not cancel (llama.cpp, which takes the minimum's term from
+        the same int8 activations, has no such bias); centred, only the rounding of x . (s*(q - c))
+        remains, and the exact fp32 block sums carry the rest. The weights then equal the file's to
+        within one float32 rounding instead of bit for bit. 4-bit storage is shifted onto the
+        kernel's default zero point 8, so no zero points are read."""
+        if self.offset is None:
+            return self
+        lift = self.zero == 0  # blocks whose values all lie above their zero point
+        lifted = np.repeat(lift, self.block, axis=1)
+        top = int(self.q[lifted].max(initial=0))
+        if top == 0:
+            return self
+        c = 1 << (top.bit_length() - 1)
+        zero, offset, q = self.zero.copy(), self.offset.copy(), self.q
+        offset[lift] += c * self.scale[lift]
+        if self.bits == 4:
+            q = (q + lifted * np.uint8(8 - c)).astype(np.uint8)
+            zero[lift] = 8
+        else:
+            zero[lift] = c
+        return Blocks(q, self.scale, zero, offset, self.bits, self.block)
 
     def refined(self, bits: int, block: int, offset: bool) -> Blocks:
         """The same weights, stored at least `bits` wide, in blocks of `block` (a divisor of this

@@ -237,6 +237,7 @@ class _Rewriter:
         if b is None:
             self.report.float_nodes += 1
             return
+        b = b.centred()
         n, k = b.shape
         qname, sname, zname, oname = self.write_blocks(weight, b)
         self.quantized[weight] = (qname, sname, zname, oname, b)
