@@ -400,8 +400,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "greedy continuation parts at the first of them. Top-1 disagreements outside near ties, all rows: "
         f"{sum(r.get('disagree_not_near', 0) for r in rows)}. "
         + ("" if fp32 else "How far llama.cpp itself is from fp32 is not measured here. ")
-        + "On the real Gemma-3-270M file edge-sd's perplexity is closer to its fp32 export's "
-        "than llama.cpp's ([llama_cpp.md](llama_cpp.md)).",
+        + "On the real Gemma-3-270M file edge-sd's next-token distributions are closer to its fp32 "
+        "export's than llama.cpp's ([fp32_distance.md](fp32_distance.md)).",
         "",
         f"    .venv/bin/python benchmarks/gguf_architectures.py --arch {args.arch} --types {args.types}"
         + (f" --every-type {args.every_type}" if args.every_type else "")
