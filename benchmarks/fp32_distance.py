@@ -43,8 +43,7 @@ def scored(logits: np.ndarray, ctx: int) -> np.ndarray:
     return (rows - np.log(np.exp(rows).sum(-1, keepdims=True))).astype(np.float32)
 
 
-def edge_rows(folder: Path, parts: list[list[int]], ctx: int, threads: int) -> np.ndarray:
-    engine = Pipeline.from_folder(folder, threads=threads).target.engine
+def edge_rows(engine, parts: list[list[int]], ctx: int) -> np.ndarray:
     out = []
     for chunk in parts:
         engine.reset()
@@ -127,7 +126,8 @@ def main() -> None:
     text = "\n".join(prompt_sets.articles(cache_dir(), args.articles))
     parts = chunks(ref_side.vocab.encode_text(text), args.ctx, ref_side.manifest.bos_token_id)
     targets = np.concatenate([c[args.ctx // 2 :] for c in parts])
-    ref = edge_rows(args.fp32, parts, args.ctx, args.threads)
+    ref = edge_rows(ref_side.engine, parts, args.ctx)
+    del ref_side  # the fp32 engine's memory back before the others load
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "file": args.gguf.name if args.gguf
               else args.fp32.name, "articles": args.articles, "ctx": args.ctx, "positions": len(ref),
               "fp32_perplexity": float(np.exp(-ref[np.arange(len(ref)), targets].mean())), "engines": {},
@@ -136,7 +136,8 @@ def main() -> None:
                                                                                   if args.gguf else "")}
     for spec in args.engine:
         name, _, folder = spec.partition("=")
-        result["engines"][name] = distance(ref, edge_rows(Path(folder), parts, args.ctx, args.threads), targets)
+        engine = Pipeline.from_folder(Path(folder), threads=args.threads).target.engine
+        result["engines"][name] = distance(ref, edge_rows(engine, parts, args.ctx), targets)
         print(name, result["engines"][name])
     if args.llama_bin:
         got = llama_rows(args.llama_bin, args.gguf, parts, args.ctx, args.threads, ref.shape[1])
