@@ -8,7 +8,6 @@ back. The maps between two vocabularies are in vocab_maps.py.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 from pathlib import Path
@@ -17,88 +16,15 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edge_sd.errors import ArtifactError
-from edge_sd.layout import QUICK_FILE, QUICK_KEY, TABLES_FILE
-from edge_sd.manifest import write_aside
+from edge_sd.layout import QUICK_KEY, TABLES_FILE
 from edge_sd.token_bytes import Tables
+from edge_sd.tokenizer_cache import quick_source, read_file, read_quick
 
 # How many committed tokens of context a re-tokenization window keeps on its left, so that merges
 # across the window's left edge come out as they would in the full text.
 WINDOW_TOKENS = 6
-# The layout's versions of Vocab's tables as a loaded engine keeps them (Tables, TABLES_FILE) and of
-# the tokenizer.json a loaded engine reads instead of its own (quick_source, QUICK_FILE and QUICK_KEY).
+# The layout's version of Vocab's tables as a loaded engine keeps them (Tables, TABLES_FILE).
 TABLES_FORMAT = 1
-QUICK_FORMAT = 1
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's freed pages back to the operating system (glibc only; elsewhere nothing).
-
-    Reading a tokenizer.json parses it whole before building the tokenizer: for a 262k vocabulary
-    about 200 MB, freed at once but kept by glibc's allocator, where it would stay resident for the
-    process's life."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):  # no C library to ask (Windows), or not glibc
-        return
-    trim(0)
-
-
-def string_merges(tokenizer_json: dict) -> bool:
-    """Rewrite a BPE model's merges from ["a", "b"] pairs to "a b" strings, in place, where that is the
-    same list (no part empty or holding a space, which the string form splits on); whether it did."""
-    model = tokenizer_json.get("model")
-    if not isinstance(model, dict) or model.get("type") != "BPE":
-        return False
-    merges = model.get("merges")
-    if not isinstance(merges, list) or not merges:
-        return False
-    for m in merges:
-        if not (isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) and p and " " not in p for p in m)):
-            return False
-    model["merges"] = [f"{a} {b}" for a, b in merges]
-    return True
-
-
-def quick_source(path: Path, cache: Path) -> Path:
-    """The file to read `path`'s tokenizer from: a copy in `cache` whose BPE merges are "a b" strings
-    where `path` has ["a", "b"] pairs (string_merges), else `path` itself.
-
-    `tokenizers` reads both forms into the same merges, but a pair goes through serde's untagged
-    buffering first: for a vocabulary of hundreds of thousands of merges the string form reads
-    markedly faster and with a fraction of the transient heap (figures in benchmarks/results/
-    startup.md), and that transient is what a loading process peaks on. The copy is made on the
-    first load, and again whenever the file's name, size or modification time change; a folder that
-    cannot be written to is read as it is."""
-    stat = path.stat()
-    key = {"format": QUICK_FORMAT, "tokenizer": [path.name, stat.st_size, stat.st_mtime_ns]}
-    copy, marker = cache / QUICK_FILE, cache / QUICK_KEY
-    try:
-        saved = json.loads(marker.read_text(encoding="utf-8"))
-        if saved["key"] == key:
-            return copy if saved["copy"] and copy.is_file() else path
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    try:
-        tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return path  # reading it as it is reports what is wrong
-    made = isinstance(tokenizer_json, dict) and string_merges(tokenizer_json)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        if made:
-            write_aside(copy, json.dumps(tokenizer_json, separators=(",", ":")))
-        write_aside(marker, json.dumps({"key": key, "copy": made}) + "\n")
-    except OSError:
-        return path
-    return copy if made else path
-
-
-def _read_tokenizer(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed files
-        raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
 
 
 class Vocab:
@@ -159,14 +85,13 @@ class Vocab:
             raise ArtifactError(f"tokenizer file {path} not found")
         source = path if cache is None else quick_source(path, cache)
         try:
-            tok = _read_tokenizer(source)
+            tok = read_quick(source)
         except ArtifactError:
             if source == path:
                 raise
             assert cache is not None
             (cache / QUICK_KEY).unlink(missing_ok=True)  # a damaged copy: made again on the next load
-            tok = _read_tokenizer(path)
-        release_freed_memory()
+            tok = read_file(path)
         if cache is None:
             return cls(tok, None, eos_ids)
         stat = path.stat()

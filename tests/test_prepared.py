@@ -13,13 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 
 from edge_sd import scratch
-from edge_sd import vocab as vocab_module
 from edge_sd.engines import prepared
 from edge_sd.engines.ort import OrtEngine, OrtSession
-from edge_sd.vocab import QUICK_FILE, QUICK_KEY, TABLES_FILE, Tables, Vocab, quick_source, string_merges
+from edge_sd.vocab import TABLES_FILE, Tables, Vocab
 
 # Forward sizes of a short generation: a prompt, plain steps, verification forwards.
 SIZES = (7, 1, 1, 3, 2, 1, 4, 1)
@@ -224,82 +222,3 @@ def test_saved_vocabulary_tables_spell_what_the_tokenizer_does(name: str, tmp_pa
     # again, not read.
     other = Vocab.from_file(path, [1000], cache=tmp_path / "cache")
     assert other.token_bytes == Vocab.from_file(path, [1000]).token_bytes != fresh.token_bytes
-
-
-# Text that exercises merges, bytes beyond ASCII, whitespace runs and special tokens' spellings.
-SAMPLE = ("<start_of_turn>user\nHello, world! Здравствуй, мир. 日本語のテキスト 🚀🚀\n\tdef f(x):\n"
-          "        return x ** 2  # squares   <|im_start|> <s> </s>\r\n" * 3)
-
-
-@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama3"])
-def test_a_loaded_engine_reads_the_same_tokenizer_from_its_quick_copy(name: str, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """vocab.quick_source: a copy with "a b" merges where the file has ["a", "b"] pairs (Gemma 3's and
-    Qwen3's), none where it has strings already (Llama 3's); loads from the copy give the tokenizer
-    the file gives, serialized and encoding alike."""
-    from test_vocab import TOKENIZERS
-
-    path = tmp_path / "tokenizer.json"
-    shutil.copy2(TOKENIZERS[name], path)
-    cache = tmp_path / "cache"
-    original = Tokenizer.from_file(str(path))
-    pairs = isinstance(json.loads(path.read_text(encoding="utf-8"))["model"]["merges"][0], list)
-    first = Vocab.from_file(path, [1], cache=cache)
-    assert (cache / QUICK_FILE).is_file() == pairs and (cache / QUICK_KEY).is_file()
-
-    def no_rewriting(*args: object) -> bool:
-        raise AssertionError("rewrote the merges again despite a current copy")
-
-    with monkeypatch.context() as m:
-        m.setattr(vocab_module, "string_merges", no_rewriting)
-        assert quick_source(path, cache) == (cache / QUICK_FILE if pairs else path)
-        later = Vocab.from_file(path, [1], cache=cache)
-    expected = original.encode(SAMPLE).ids
-    text = original.decode(expected, skip_special_tokens=False)
-    for v in (first, later):
-        assert v.tokenizer.to_str() == original.to_str()
-        assert v.tokenizer.encode(SAMPLE).ids == expected
-        assert v.tokenizer.decode(expected, skip_special_tokens=False) == text
-
-
-def test_the_quick_copy_is_remade_when_stale_and_skipped_when_damaged_or_unwritable(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_vocab import TOKENIZERS
-
-    path = tmp_path / "tokenizer.json"
-    shutil.copy2(TOKENIZERS["qwen3"], path)
-    cache = tmp_path / "cache"
-    expected = Tokenizer.from_file(str(path)).encode(SAMPLE).ids
-    assert quick_source(path, cache) == cache / QUICK_FILE
-    # A changed file (here its modification time only) makes the copy again.
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    rewritten = []
-    real = vocab_module.string_merges
-    with monkeypatch.context() as m:
-        m.setattr(vocab_module, "string_merges", lambda tj: rewritten.append(1) or real(tj))
-        assert quick_source(path, cache) == cache / QUICK_FILE and rewritten == [1]
-    # A damaged copy: the file itself is read, and the copy is made again on the next load.
-    (cache / QUICK_FILE).write_text("{ not json", encoding="utf-8")
-    assert Vocab.from_file(path, [1], cache=cache).tokenizer.encode(SAMPLE).ids == expected
-    assert not (cache / QUICK_KEY).exists()
-    assert Vocab.from_file(path, [1], cache=cache).tokenizer.encode(SAMPLE).ids == expected
-    assert json.loads((cache / QUICK_KEY).read_text(encoding="utf-8"))["copy"] is True
-    # A folder that cannot be written to: the file as it is.
-    shutil.rmtree(cache)
-
-    def unwritable(*args: object) -> None:
-        raise PermissionError("read-only")
-
-    monkeypatch.setattr(vocab_module, "write_aside", unwritable)
-    assert quick_source(path, cache) == path
-    assert Vocab.from_file(path, [1], cache=cache).tokenizer.encode(SAMPLE).ids == expected
-
-
-@pytest.mark.parametrize("merges", [[["a b", "c"]], [["a", ""]], [["a", "b", "c"]], ["a b"], []])
-def test_merges_the_string_form_would_split_otherwise_stay_pairs(merges: list) -> None:
-    tokenizer_json = {"model": {"type": "BPE", "merges": merges}}
-    assert not string_merges(tokenizer_json)
-    assert tokenizer_json["model"]["merges"] == merges
-    pairs = {"model": {"type": "BPE", "merges": [["a", "b"], ["ab", "c"]]}}
-    assert string_merges(pairs) and pairs["model"]["merges"] == ["a b", "ab c"]
-    assert not string_merges({"model": {"type": "Unigram", "merges": [["a", "b"]]}})
