@@ -100,17 +100,43 @@ def llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, tokens: int
         return float(json.loads(out.read())[0]["avg_ts"]), peak
 
 
-def edge_memory(pair: Path, depth: int, tokens: int, threads: int) -> tuple[int, int]:
-    """Peak resident memory in bytes of a process that loads the pair's target alone, caches `depth`
-    positions of the text and steps `tokens` positions, as a generator's target does (window memory
-    given back), and what it holds resident after the steps."""
-    proc = subprocess.run([sys.executable, __file__, "--pair", str(pair), "--memory-child", str(depth),
-                           "--tokens", str(tokens), "--threads", str(threads)],
+def edge_memory(pair: Path, depth: int, tokens: int, threads: int) -> dict:
+    """What a process that loads the pair's target alone, caches `depth` positions of the text and
+    steps `tokens` positions (as a generator's target does, window memory given back) holds: its
+    peak resident memory in bytes, what it holds after the steps, and that by kind of mapping
+    (memory_parts)."""
+    return json.loads(_child(pair, ["--memory-child", str(depth), "--tokens", str(tokens), "--threads", str(threads)]))
+
+
+def tokenizer_memory(pair: Path) -> int:
+    """Bytes a process holds for the target's tokenizer (Vocab, read from its runtime cache) alone."""
+    return int(_child(pair, ["--memory-child-tokenizer"]))
+
+
+def _child(pair: Path, options: list[str]) -> str:
+    proc = subprocess.run([sys.executable, __file__, "--pair", str(pair), *options],
                           capture_output=True, text=True, timeout=1200)
     if proc.returncode:
-        sys.exit(f"the memory run at depth {depth} failed:\n{proc.stderr[-2000:]}")
-    peak, resident = proc.stdout.split()[-2:]
-    return int(peak), int(resident)
+        sys.exit(f"the memory run {' '.join(options)} failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.splitlines()[-1]
+
+
+def memory_parts(pair: Path) -> dict[str, int]:
+    """This process's resident bytes by kind of mapping (/proc/self/smaps): the engine's files as
+    ONNX Runtime maps them (its weights, prepacked, and the tables read from them), shared libraries
+    and the interpreter, and the rest (heap and anonymous memory: the KV cache, the tokenizer, ONNX
+    Runtime's buffers, Python's objects)."""
+    parts = {"engine files": 0, "libraries": 0, "heap and anonymous": 0}
+    kind = "heap and anonymous"
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+            name = fields[5] if len(fields) > 5 else ""
+            kind = ("engine files" if name.startswith(str(pair.resolve())) else
+                    "libraries" if name.startswith("/") else "heap and anonymous")
+        elif fields and fields[0] == "Rss:":
+            parts[kind] += int(fields[1]) * 1024
+    return parts
 
 
 def memory_child(pair: Path, depth: int, tokens: int, threads: int) -> None:
@@ -120,7 +146,19 @@ def memory_child(pair: Path, depth: int, tokens: int, threads: int) -> None:
     engine = target.session.engine(release_window=True)
     engine.reserve(depth + tokens + 1)
     edge_rate(engine, ids, depth, tokens)
-    print(memory_of(os.getpid()), memory_of(os.getpid(), "VmRSS"))
+    print(json.dumps({"peak": memory_of(os.getpid()), "after": memory_of(os.getpid(), "VmRSS"),
+                      "parts": memory_parts(pair)}))
+
+
+def tokenizer_child(pair: Path) -> None:
+    from edge_sd.layout import CACHE_DIR
+    from edge_sd.vocab import Vocab
+
+    folder = pair / load_pair_manifest(pair).target
+    m = load_engine_manifest(folder)
+    before = memory_of(os.getpid(), "VmRSS")
+    _vocab = Vocab.from_file(folder / m.tokenizer_file, m.eos_token_ids, cache=folder / CACHE_DIR)  # held
+    print(memory_of(os.getpid(), "VmRSS") - before)
 
 
 def article_ids(target, need: int) -> list[int]:
@@ -134,14 +172,15 @@ def article_ids(target, need: int) -> list[int]:
     sys.exit(f"the news articles and code prompts make {len(ids)} tokens, fewer than the {need} needed")
 
 
-def measure_memory(args, bench: Path, gguf: Path, depths: list[int]) -> dict[int, dict[str, int]]:
-    memory = {}
+def measure_memory(args, bench: Path, gguf: Path, depths: list[int]) -> dict[str, dict]:
+    memory: dict[str, dict] = {}
     for d in depths:
-        peak, resident = edge_memory(args.pair, d, args.tokens, args.threads)
-        memory[d] = {"edge-sd": peak, "edge-sd after": resident,
-                     "llama.cpp": llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[1]}
-        print(f"memory at depth {d}: edge-sd {peak / 2**20:.0f} MiB peak, {resident / 2**20:.0f} MiB after, "
-              f"llama.cpp {memory[d]['llama.cpp'] / 2**20:.0f} MiB peak", file=sys.stderr, flush=True)
+        edge = edge_memory(args.pair, d, args.tokens, args.threads)
+        memory[str(d)] = {"edge-sd": edge["peak"], "edge-sd after": edge["after"], "edge-sd parts": edge["parts"],
+                          "llama.cpp": llama_bench(bench, gguf, args.threads, 0, args.tokens, d)[1]}
+        print(f"memory at depth {d}: edge-sd {edge['peak'] / 2**20:.0f} MiB peak, {edge['after'] / 2**20:.0f} MiB "
+              f"after, llama.cpp {memory[str(d)]['llama.cpp'] / 2**20:.0f} MiB peak", file=sys.stderr, flush=True)
+    memory["tokenizer"] = {"edge-sd": tokenizer_memory(args.pair)}
     return memory
 
 
@@ -161,10 +200,14 @@ def main() -> None:
     ap.add_argument("--memory-only", action="store_true",
                     help="measure the memory alone, at the depths of the JSON written before, and add it there")
     ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-child-tokenizer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     if args.memory_child is not None:
         memory_child(args.pair, args.memory_child, args.tokens, args.threads)
+        return
+    if args.memory_child_tokenizer:
+        tokenizer_child(args.pair)
         return
     if args.report:
         write_results(args.out, "context_depth", report, plot)
@@ -183,8 +226,7 @@ def main() -> None:
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
     if args.memory_only:  # each memory run loads the target in a process of its own
         result = json.loads((args.out / "context_depth.json").read_text())
-        memory = measure_memory(args, bench, gguf, [int(d) for d in result["runs"]])
-        result["memory"] = {str(d): v for d, v in memory.items()}
+        result["memory"] = measure_memory(args, bench, gguf, [int(d) for d in result["runs"]])
         print(write_results(args.out, "context_depth", report, plot, result))
         return
     need = max(depths + prompts) + args.tokens + 1
@@ -197,7 +239,7 @@ def main() -> None:
     edge_rate(engine, ids, min(depths), 4)  # warm-up: the first forwards of each shape
     runs: dict[int, dict[str, list[float]]] = {d: {"edge-sd": [], "llama.cpp": []} for d in depths}
     fills: dict[int, dict[str, list[float]]] = {p: {"edge-sd": [], "llama.cpp": []} for p in prompts}
-    memory: dict[int, dict[str, int]] = {}
+    memory: dict[str, dict] = {}
     for r in range(args.repeats):
         for d in depths:
             runs[d]["edge-sd"].append(edge_rate(engine, ids, d, args.tokens))
@@ -217,7 +259,7 @@ def main() -> None:
               "grouped_attention": manifest.grouped_attention,
               "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
               "runs": {str(d): v for d, v in runs.items()}, "prefill": {str(p): v for p, v in fills.items()},
-              "memory": {str(d): v for d, v in memory.items()}}
+              "memory": memory}
     print(write_results(args.out, "context_depth", report, plot, result))
 
 
@@ -244,7 +286,7 @@ def report(result: dict) -> str:
         e, c = statistics.median(v["edge-sd"]), statistics.median(v["llama.cpp"])
         row = f"| {d} | {e:.1f} | {c:.1f} | {e / c:.2f}x |"
         if d in memory:
-            mib = {k: f"{v / 2**20:.0f}" for k, v in memory[d].items()}
+            mib = {k: f"{v / 2**20:.0f}" for k, v in memory[d].items() if isinstance(v, int)}
             row += f" {mib['edge-sd']} / {mib.get('edge-sd after', '-')} | {mib['llama.cpp']} |"
         lines.append(row)
     if result.get("prefill"):
@@ -257,6 +299,18 @@ def report(result: dict) -> str:
         lines += ["", "Resident memory: each tool alone in a process of its own at each depth (edge-sd's target",
                   "without the drafter, llama-bench with its context sized to the depth and tokens); the peak",
                   "(VmHWM, polled for llama-bench) and, for edge-sd, what it held after the steps (VmRSS)."]
+        parts = {d: v["edge-sd parts"] for d, v in memory.items() if "edge-sd parts" in v}
+        if parts:
+            kinds = list(next(iter(parts.values())))
+            lines += ["", "What edge-sd held after the steps, by kind of mapping (/proc/self/smaps), MiB:", "",
+                      "| cached positions | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+            lines += [f"| {d} | " + " | ".join(f"{p[k] / 2**20:.0f}" for k in kinds) + " |" for d, p in parts.items()]
+            lines += ["", "Engine files: the weights as ONNX Runtime prepacked them into its optimized graph's data "
+                      "file, mapped (the LM head's 6-bit values in 8-bit blocks), and the pages of the embedding "
+                      "table and rotary tables that the text touched."]
+            if "tokenizer" in memory:
+                lines += [f"Of the heap, the target's tokenizer alone (read in a process of its own): "
+                          f"{memory['tokenizer']['edge-sd'] / 2**20:.0f} MiB."]
     lines += [
         "",
         "Where the rates fall: an attention kernel scores every position of the cache it is given. edge-sd",
