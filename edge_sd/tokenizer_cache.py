@@ -118,23 +118,46 @@ def read_file(path: Path) -> Tokenizer:
         raise ArtifactError(f"{path}: not a valid tokenizer.json ({e})") from None
 
 
+def read_tokenizer(path: Path, cache: Path | None) -> Tokenizer:
+    """`path`'s tokenizer, read through its quick form in `cache` (made on the first load; None: the
+    file as it is). A form that does not read is dropped and made again on the next load."""
+    source, tokenizer = (path, None) if cache is None else _quick_form(path, cache)
+    if tokenizer is None:
+        try:
+            tokenizer = read_quick(source)
+        except ArtifactError:
+            if source == path:
+                raise
+            assert cache is not None
+            (cache / QUICK_KEY).unlink(missing_ok=True)
+            tokenizer = read_file(path)
+    give_back()  # the parse's transient heap, kept by glibc's allocator otherwise
+    return tokenizer
+
+
 def quick_source(path: Path, cache: Path) -> Path:
     """The file to read `path`'s tokenizer from (read_quick reads either): the quick form in `cache`,
     made now if there is none for the file as it is, else `path` itself."""
+    return _quick_form(path, cache)[0]
+
+
+def _quick_form(path: Path, cache: Path) -> tuple[Path, Tokenizer | None]:
+    """quick_source's file, and the tokenizer where making the form read it already (to check parts)."""
     stat = path.stat()
     key = {"format": QUICK_FORMAT, "tokenizer": [path.name, stat.st_size, stat.st_mtime_ns]}
     marker = cache / QUICK_KEY
     try:
         saved = json.loads(marker.read_text(encoding="utf-8"))
         if saved["key"] == key:
-            return cache / saved["copy"] if saved["copy"] in (QUICK_FILE, QUICK_PARTS) else path
+            return (cache / saved["copy"] if saved["copy"] in (QUICK_FILE, QUICK_PARTS) else path), None
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
         tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return path  # reading it as it is reports what is wrong
+        return path, None  # reading it as it is reports what is wrong
     made: str | None = None
+    tokenizer = None
     try:
         cache.mkdir(parents=True, exist_ok=True)
         if string_merges(tokenizer_json):
@@ -142,20 +165,21 @@ def quick_source(path: Path, cache: Path) -> Path:
             made = QUICK_FILE
         elif save_parts(tokenizer_json, cache / QUICK_PARTS):
             del tokenizer_json
-            made = QUICK_PARTS if _same(path, cache / QUICK_PARTS) else None
+            tokenizer = read_file(path)
+            made = QUICK_PARTS if _assembles(cache / QUICK_PARTS, tokenizer) else None
         write_aside(marker, json.dumps({"key": key, "copy": made}) + "\n")
     except OSError:
-        return path
-    return cache / made if made else path
+        return path, tokenizer
+    return (cache / made if made else path), tokenizer
 
 
-def _same(path: Path, parts: Path) -> bool:
-    """Whether the parts give the tokenizer the file gives, serialized alike."""
+def _assembles(parts: Path, tokenizer: Tokenizer) -> bool:
+    """Whether the parts give `tokenizer`, serialized alike."""
     try:
         assembled = read_parts(parts).to_str()
     except Exception:  # a constructor refusing an option or token: the file is read as it is
         return False
-    same = assembled == read_file(path).to_str()
+    same = assembled == tokenizer.to_str()
     give_back()
     return same
 
@@ -163,11 +187,8 @@ def _same(path: Path, parts: Path) -> bool:
 def read_quick(source: Path) -> Tokenizer:
     """The tokenizer of a file quick_source returned; ArtifactError where it does not read."""
     if source.name != QUICK_PARTS or source.suffix != ".npz":
-        tokenizer = read_file(source)
-    else:
-        try:
-            tokenizer = read_parts(source)
-        except Exception as e:  # a damaged file: numpy, zipfile, json and tokenizers each raise their own
-            raise ArtifactError(f"{source}: not a readable tokenizer ({e})") from None
-    give_back()  # the parse's transient heap, kept by glibc's allocator otherwise
-    return tokenizer
+        return read_file(source)
+    try:
+        return read_parts(source)
+    except Exception as e:  # a damaged file: numpy, zipfile, json and tokenizers each raise their own
+        raise ArtifactError(f"{source}: not a readable tokenizer ({e})") from None

@@ -16,9 +16,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edge_sd.errors import ArtifactError
-from edge_sd.layout import QUICK_KEY, TABLES_FILE
+from edge_sd.layout import TABLES_FILE
 from edge_sd.token_bytes import Tables
-from edge_sd.tokenizer_cache import quick_source, read_file, read_quick
+from edge_sd.tokenizer_cache import read_tokenizer
 
 # How many committed tokens of context a re-tokenization window keeps on its left, so that merges
 # across the window's left edge come out as they would in the full text.
@@ -79,19 +79,12 @@ class Vocab:
     @classmethod
     def from_file(cls, path: Path, eos_ids: list[int] | None = None, cache: Path | None = None) -> Vocab:
         """cache: a folder to keep the spelled tables in (TABLES_FILE), read instead of spelling them
-        again while the tokenizer file and the EOS ids are unchanged; None: spell them."""
+        again while the tokenizer file and the EOS ids are unchanged, and the tokenizer's quicker form
+        (tokenizer_cache.py); None: spell them, and read the file as it is."""
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"tokenizer file {path} not found")
-        source = path if cache is None else quick_source(path, cache)
-        try:
-            tok = read_quick(source)
-        except ArtifactError:
-            if source == path:
-                raise
-            assert cache is not None
-            (cache / QUICK_KEY).unlink(missing_ok=True)  # a damaged copy: made again on the next load
-            tok = read_file(path)
+        tok = read_tokenizer(path, cache)
         if cache is None:
             return cls(tok, None, eos_ids)
         stat = path.stat()
