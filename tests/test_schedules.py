@@ -470,3 +470,44 @@ def test_auto_starts_prompt_lookup_at_no_drafting_cost() -> None:
     costs = Costs({s: 0.02 + 0.001 * s for s in range(1, 18)}, 0.012, 0.002)
     sched = new_cost_schedule({"slem": slem, "lookup": LookupProposer([1, 2, 3])}, K, 16, costs, True, True)
     assert sched.costs.draft("lookup") == 0.0 and sched.costs.draft("slem") == 0.012
+
+
+def test_lookup_acceptance_is_kept_by_match_length(monkeypatch) -> None:
+    """Sampling, where a lookup match of 4 tokens is accepted in full and one of 2 never: auto keeps an
+    estimate for each length, drafts long on the first and one token at most on the second. Negative control: with
+    one estimate for every match (the lengths not told apart) both histories are drafted as far as they go."""
+    from edge_sd.algorithms import LookupProposer
+
+    long_match = list(range(1, 21)) + [1, 2, 3, 4]  # "1 2 3 4" was followed by 5..20
+    short_match = [30, 31, 32, 33, 34, 50, 31, 32]  # only "31 32" was seen before, followed by 33
+
+    def trained(split: bool) -> tuple[CostSchedule, LookupProposer]:
+        lookup = LookupProposer(long_match)
+        sched = CostSchedule({"lookup": lookup}, K, CostModel(TARGET, {"lookup": 0.0}))
+        if not split:
+            monkeypatch.setattr(sched, "_match", lambda proposer: None)
+        for i in range(80):
+            lookup.follow(long_match if i % 2 else short_match)
+            plan = sched.plan(K)
+            if plan.proposer is None:
+                sched.observe(plan, Round(0, 0, TARGET[1]))
+                continue
+            accepted = plan.m if lookup.match == 4 else 0
+            sched.observe(plan, Round(plan.m, accepted, TARGET[plan.m + 1]))
+        return sched, lookup
+
+    sched, lookup = trained(split=True)
+    assert lookup.available(K) and sched.by_match["lookup@4"].rate(0) > 0.9 > 0.2 > sched.by_match["lookup@2"].rate(0)
+    assert set(sched.summary()["acceptance"]) == {"lookup", "lookup@2", "lookup@4"}
+    lookup.follow(long_match)
+    assert sched.plan(K).m == K
+    lookup.follow(short_match)
+    assert sched.plan(K).m <= 1  # (one candidate is verified at 2 ms a position: it pays at 0.1)
+    pooled, lookup = trained(split=False)
+    plans = []
+    for history in (long_match, short_match):
+        lookup.follow(history)
+        plan = pooled.plan(K)
+        plans.append((plan.proposer is not None, plan.m))
+    # one estimate for both: the short match's whole continuation (5 tokens) is drafted too
+    assert plans == [(True, K), (True, 5)] and not pooled.by_match
