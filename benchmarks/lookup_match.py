@@ -1,15 +1,12 @@
-"""Prompt lookup's acceptance by the length of the n-gram it matched, and what auto gains from keeping
-an estimate for each length (schedules/cost.py, `by_match`).
+"""Prompt lookup's acceptance by the length of the n-gram it matched.
 
-    .venv/bin/python benchmarks/lookup_match.py [--pair PAIR] [--modes greedy,sample,chat] [--per-set 6]
+    .venv/bin/python benchmarks/lookup_match.py [--pair PAIR] [--modes greedy,sample,chat]
 
-Acceptance: lookup alone drafting one candidate a round, only in rounds whose longest match has n
-tokens (n = 4, 3, 2 in turn; the other rounds are plain steps), 64 new tokens, the first 12 code and
-summarisation prompts, seeds 1000+. Auto: the prompts of benchmarks/llama_cpp.py (code, summaries
-and prose, from the 5th of each), auto on two pipelines of the pair, one as edge-sd runs it and one
-whose schedule keeps a single lookup estimate, one run each interleaved per prompt and mode (the order
-swapped every prompt), each prompt's seed; decode rate (new tokens over the time after the prefill),
-medians, per-prompt ratios, and whether the greedy outputs are equal.
+Lookup alone drafting one candidate a round, only in rounds whose longest match has n tokens (n = 4,
+3, 2 in turn; the other rounds are plain steps), 64 new tokens, the first 12 code and summarisation
+prompts, seeds 1000+. benchmarks/results/lookup_match.md also records, from commit c7c8cb5 (whose
+version of this script ran it), auto keeping an acceptance estimate per match length against one
+estimate for every match: no faster, so auto keeps one.
 
 Writes benchmarks/results/lookup_match.{md,json,png}; `--report` writes the table and plot again.
 """
@@ -19,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +25,6 @@ from unittest import mock
 from edge_sd import GenerationConfig, Pipeline
 from edge_sd.algorithms import lookup, menu
 from edge_sd.bench.run import machine, write_results
-from edge_sd.schedules.cost import CostSchedule
 from edge_sd.tools import prompt_sets
 from edge_sd.tools.paths import cache_dir
 
@@ -44,8 +41,13 @@ class OnlyLength(lookup.LookupProposer):
     length = 0
 
     def _continuation(self, k: int) -> list[int]:
-        found = super()._continuation(k)
-        return found if self.match == self.length else []
+        self._index()
+        h = self.history
+        for n in range(lookup.NGRAM_MAX, lookup.NGRAM_MIN - 1, -1):
+            at = self._next.get(tuple(h[-n:])) if len(h) > n else None
+            if at is not None:
+                return h[at : at + k] if n == self.length else []
+        return []
 
 
 def acceptance(pair: Path, modes: list[str]) -> dict:
@@ -64,43 +66,10 @@ def acceptance(pair: Path, modes: list[str]) -> dict:
     return out
 
 
-def auto_ab(pair: Path, modes: list[str], per_set: int) -> dict:
-    """Decode rates of auto with and without estimates by match length, interleaved."""
-    split = {"by length": True, "one estimate": False}
-    on = [True]
-    noted = CostSchedule._match
-
-    def match(self, proposer) -> None:
-        if on[0]:
-            noted(self, proposer)
-        else:
-            self._matched.pop(proposer.name, None)
-
-    pipes = {name: Pipeline.from_folder(pair) for name in split}
-    prompts = llama_cpp.prompt_list(list(llama_cpp.SHORT_SETS), per_set, 4)
-    runs: dict = {mode: {name: [] for name in split} for mode in modes}
-    labels = [label for label, _ in prompts]
-    equal = 0
-    with mock.patch.object(CostSchedule, "_match", match):
-        for i, (label, text) in enumerate(prompts):
-            for mode in modes:
-                ids = {}
-                for name in (list(split) if i % 2 == 0 else list(split)[::-1]):
-                    on[0] = split[name]
-                    r = llama_cpp._edge(pipes[name], text, 64, "auto", mode, 1000 + i)
-                    runs[mode][name].append(r["rate"])
-                    ids[name] = r["ids"]
-                equal += mode == "greedy" and len({tuple(v) for v in ids.values()}) == 1
-                print(f"[{i + 1}/{len(prompts)}] {label} {mode}: "
-                      + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs[mode].items()), file=sys.stderr, flush=True)
-    return {"labels": labels, "runs": runs, "greedy_equal": equal, "prompts": len(prompts)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=ROOT / "engines" / "gemma3-270m_smollm2-135m")
     ap.add_argument("--modes", default="greedy,sample,chat")
-    ap.add_argument("--per-set", type=int, default=6)
     ap.add_argument("--report", action="store_true")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
@@ -111,8 +80,10 @@ def main() -> None:
     if not set(modes) <= set(llama_cpp.SAMPLING):
         sys.exit(f"--modes takes {', '.join(llama_cpp.SAMPLING)}")
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
-              "per_set": args.per_set, "acceptance": acceptance(args.pair, modes),
-              "auto": auto_ab(args.pair, modes, args.per_set)}
+              "acceptance": acceptance(args.pair, modes)}
+    previous = args.out / "lookup_match.json"
+    if previous.is_file():  # the auto comparison of commit c7c8cb5 stays beside the new acceptance
+        result["auto"] = json.loads(previous.read_text()).get("auto")
     print(write_results(args.out, "lookup_match", report, plot, result))
 
 
@@ -120,8 +91,9 @@ MODE_NAMES = {"greedy": "greedy", "sample": "T=1", "chat": "chat (T=0.8, top-k 4
 
 
 def report(result: dict) -> str:
-    m, auto = result["machine"], result["auto"]
-    lines = ["# Prompt lookup: acceptance by match length, and auto keeping an estimate for each", "",
+    m, auto = result["machine"], result.get("auto")
+    title = "# Prompt lookup: acceptance by match length" + (", and auto keeping an estimate for each" if auto else "")
+    lines = [title, "",
              f"{result['date']}, {m['cpu']} ({m['cores']} cores), ONNX Runtime {m['onnxruntime']}; the pair "
              f"`{Path(result['pair']).name}`. Command: `.venv/bin/python benchmarks/lookup_match.py --pair PAIR`.", "",
              "Lookup alone, one candidate a round, drafting only where the longest match has n tokens (24 "
@@ -130,8 +102,11 @@ def report(result: dict) -> str:
     for mode, by_n in result["acceptance"].items():
         lines.append(f"| {MODE_NAMES[mode]} | " + " | ".join(
             f"{a}/{p} = {a / max(p, 1):.2f}" for a, p in (by_n[str(n)] for n in LENGTHS)) + " |")
-    lines += ["", f"Auto with an estimate per match length against one estimate for every match, one run each "
-              f"interleaved per prompt ({auto['prompts']} prompts of benchmarks/llama_cpp.py, 64 new tokens): "
+    if not auto:
+        return "\n".join(lines) + "\n"
+    lines += ["", f"Auto with an estimate per match length against one estimate for every match, at commit "
+              f"c7c8cb5, one run each interleaved per prompt and mode, the order swapped every prompt "
+              f"({auto['prompts']} prompts of benchmarks/llama_cpp.py, each with its seed, 64 new tokens): "
               "median decode rate (tok/s) and the median of the per-prompt ratios.", "",
               "| decoding | set | by length | one estimate | by length / one estimate |", "|---|---|---|---|---|"]
     for mode, runs in auto["runs"].items():
@@ -152,7 +127,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    runs = (result.get("auto") or {}).get("runs")
+    fig, axes = plt.subplots(1, 2 if runs else 1, figsize=(11 if runs else 5.5, 4), squeeze=False)
+    left = axes[0][0]
     modes = list(result["acceptance"])
     width = 0.8 / len(LENGTHS)
     for j, n in enumerate(LENGTHS):
@@ -162,13 +139,20 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("lookup candidates accepted")
     left.set_ylim(0, 1)
     left.legend()
-    runs = result["auto"]["runs"]
+    if not runs:
+        _finish(fig, result, path)
+        return
+    right = axes[0][1]
     for j, name in enumerate(("by length", "one estimate")):
         right.bar([i + j * 0.4 for i in range(len(runs))], [statistics.median(runs[m][name]) for m in runs], 0.4,
                   label=f"auto, {name}")
     right.set_xticks([i + 0.2 for i in range(len(runs))], [MODE_NAMES[m].split(" (")[0] for m in runs])
     right.set_ylabel("decode rate, tok/s (median)")
     right.legend()
+    _finish(fig, result, path)
+
+
+def _finish(fig, result: dict, path: Path) -> None:
     fig.suptitle(f"{Path(result['pair']).name}, {result['machine']['cores']} cores, {result['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

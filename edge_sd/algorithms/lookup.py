@@ -56,9 +56,6 @@ class LookupProposer:
         # continuation (its last token is not the history's last).
         self._next: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this position are in the table
-        # The length of the n-gram the latest continuation was found by (0: none): longer matches are
-        # accepted more often, and auto keeps an estimate for each length (schedules/cost.py).
-        self.match = 0
 
     def _index(self) -> None:
         h = self.history
@@ -92,9 +89,7 @@ class LookupProposer:
             if len(h) > n:
                 at = self._next.get(tuple(h[-n:]))
                 if at is not None:
-                    self.match = n
                     return h[at : at + k]
-        self.match = 0
         return []
 
     def propose(self, k: int, committed: list[int], stop: StopRule | None = None) -> Draft:

@@ -46,21 +46,17 @@ class Acceptance:
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
-    def rates(self, k: int, optimism: float = 0.0, explored: int | None = None,
-              prior: list[float] | None = None) -> list[float]:
+    def rates(self, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
         """Estimated P(candidate i accepted | candidates before it accepted) for i = 0..k-1.
 
         Each position's counts are smoothed towards the position before it (the first towards 1/2),
         so that a depth seldom or never drafted takes the estimate of the ones before it instead of
-        the prior, and the schedule can find out that longer drafts pay; towards `prior[i]` instead
-        where given (a broader estimate of the same position). optimism: add that many standard
-        errors of the estimate (its counts' binomial error), to the first `explored` positions only
-        where given.
+        the prior, and the schedule can find out that longer drafts pay. optimism: add that many
+        standard errors of the estimate (its counts' binomial error), to the first `explored`
+        positions only where given.
         """
         out, rate, n = [], 0.5, 2 * PRIOR
         for i in range(k):
-            if prior is not None:
-                rate = prior[i]
             if i < len(self.tried):
                 n = self.tried[i] + 2 * PRIOR
                 rate = (self.accepted[i] + 2 * PRIOR * rate) / n
@@ -139,11 +135,6 @@ class CostSchedule:
         self.costs = costs
         self.depth_optimism = OPTIMISM if greedy else 0.0
         self.acceptance = {name: Acceptance() for name in estimated(proposers)}
-        # A lookup's acceptance by the length of the n-gram its continuation was found by ("lookup@4"),
-        # smoothed towards its acceptance over all lengths: a match of 4 tokens is accepted far more
-        # often than one of 2 (benchmarks/results/lookup_match.md).
-        self.by_match: dict[str, Acceptance] = {}
-        self._matched: dict[str, str] = {}  # proposer -> its key in by_match for the round planned
         self.carry = CARRY
         self.rounds: dict[str, int] = {}  # "slem:3" (candidates proposed) / "plain" -> rounds of a generation
         self.idle_generations = -1  # generations in a row that drafted nothing (rebind counts this one)
@@ -153,7 +144,7 @@ class CostSchedule:
         """Start a new generation with new proposers, keeping what the costs and acceptance taught
         (a pipeline keeps one schedule per sampling mode, so each generation starts informed)."""
         self.proposers = proposers
-        for acc in [*self.acceptance.values(), *self.by_match.values()]:
+        for acc in self.acceptance.values():
             acc.shrink(self.carry)
         self._algo_of = {id(p): name for name, p in proposers.items()}
         # Proposers that run the drafter, those that need no model (prompt lookup), and chains of the
@@ -168,28 +159,10 @@ class CostSchedule:
         self.rounds = {}
         self.held_back = 0  # plain steps where drafts paid by the token but not the drafter's catching up
 
-    def _acceptance(self, algo: str, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
-        """`algo`'s acceptance rates of candidates 0..k-1 for this round: a lookup's for the length of
-        its match now where it has one (by_match)."""
-        key = self._matched.get(algo)
-        if key is None:
-            return self.acceptance[algo].rates(k, optimism, explored)
-        matched = self.by_match.setdefault(key, Acceptance())
-        return matched.rates(k, optimism, explored, prior=self.acceptance[algo].rates(k))
-
-    def _match(self, proposer: Proposer) -> None:
-        """Note which match-length estimate the lookup `proposer` drafts on this round (available()
-        has just looked its continuation up)."""
-        n = getattr(proposer, "match", 0)
-        if n:
-            self._matched[proposer.name] = f"{proposer.name}@{n}"
-        else:
-            self._matched.pop(proposer.name, None)
-
     def _rates(self, algo: str, k: int, optimism: float = 0.0, explored: int | None = None) -> list[float]:
         """Expected tokens per second of rounds drafting m = 1..k tokens with this algorithm ([m - 1]),
         optimistic about the first `explored` candidates where given (`Acceptance.rates`)."""
-        tokens = tokens_by_length(self._acceptance(algo, k, optimism, explored))
+        tokens = self.acceptance[algo].tokens_by_length(k, optimism, explored)
         draft = self.costs.draft(algo)
         return [tokens[m] / self.costs.round(m, draft) for m in range(1, k + 1)]
 
@@ -213,7 +186,6 @@ class CostSchedule:
         def available(lookup: Proposer) -> int:
             if id(lookup) not in caps:
                 caps[id(lookup)] = lookup.available(free_k) if free_k > 0 else 0  # type: ignore[attr-defined]
-                self._match(lookup)
             return caps[id(lookup)]
 
         for name in self._free:
@@ -248,7 +220,7 @@ class CostSchedule:
         drafter's e = 1..k - head ([e - 1]). The drafter's first forward also feeds the head's
         positions (and any it is behind): catching up paid by this round."""
         assert self._state is not None
-        rates = self._acceptance(chain.lookup.name, head, optimism)
+        rates = self.acceptance[chain.lookup.name].rates(head, optimism)
         rates += self.acceptance[chain.inner.name].rates(k - head, optimism)
         draft = self.costs.draft(chain.inner.name)
         behind = self._state.behind_after(head)
@@ -321,21 +293,17 @@ class CostSchedule:
                            r.caught_up)
         # Every algorithm forgets, not only the one that drafted: the counts of one left aside shrink,
         # its optimistic estimate grows, and it is tried again later.
-        for acc in [*self.acceptance.values(), *self.by_match.values()]:
+        for acc in self.acceptance.values():
             acc.decay()
         for name, n, a in parts:
             self.acceptance[name].update(n, a)
-            if name in self._matched:
-                self.by_match.setdefault(self._matched[name], Acceptance()).update(n, a)
 
     def summary(self) -> dict:
-        pooled = {a: acc.rates(len(acc.tried)) for a, acc in self.acceptance.items()}
-        matched = {key: acc.rates(len(acc.tried), prior=self.acceptance[key.partition("@")[0]].rates(len(acc.tried)))
-                   for key, acc in sorted(self.by_match.items())}
         return {
             "rounds": dict(sorted(self.rounds.items())),
             **self.costs.summary(),
             "held_back": self.held_back,
             "idle_generations": self.idle_generations,  # before this one (see PROBE_EVERY_GENERATIONS)
-            "acceptance": {a: [round(r, 3) for r in rates] for a, rates in {**pooled, **matched}.items()},
+            "acceptance": {a: [round(acc.rate(i), 3) for i in range(len(acc.tried))]
+                           for a, acc in self.acceptance.items()},
         }
