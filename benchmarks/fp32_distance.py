@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from llama_cpp import second_half  # benchmarks/, the script's folder
 
 from edge_sd.bench.run import machine, write_results
 from edge_sd.pipeline import Pipeline
@@ -37,10 +38,9 @@ def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
 
 
 def scored(logits: np.ndarray, ctx: int) -> np.ndarray:
-    """The rows of a chunk's logits [ctx, V] that predict its second half, as log-probabilities."""
-    rows = logits[ctx // 2 - 1 : ctx - 1].astype(np.float64)
-    rows -= rows.max(-1, keepdims=True)
-    return (rows - np.log(np.exp(rows).sum(-1, keepdims=True))).astype(np.float32)
+    """The rows of a chunk's logits [ctx, V] that predict its second half, as log-probabilities (float32:
+    the compared runs' rows are held together)."""
+    return second_half(logits, ctx).astype(np.float32)
 
 
 def edge_rows(engine, parts: list[list[int]], ctx: int) -> np.ndarray:

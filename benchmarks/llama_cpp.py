@@ -117,6 +117,13 @@ def _llama(timing: Timing) -> dict:
             "eval_s": timing.eval_s}
 
 
+def second_half(logits: np.ndarray, ctx: int) -> np.ndarray:
+    """The rows of a chunk's logits [ctx, V] that predict its second half, as float64 log-probabilities."""
+    rows = logits[ctx // 2 - 1 : ctx - 1].astype(np.float64)
+    rows -= rows.max(-1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+
+
 def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
     """Perplexity of an engine the llama-perplexity way: the text cut into chunks of ctx tokens (BOS
     first), each scored on its second half. Returns (perplexity, positions scored)."""
@@ -130,13 +137,9 @@ def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
             chunk = [bos] + chunk[1:]
         engine.reset()
         engine.reserve(ctx)
-        logits = engine.forward(np.asarray(chunk)).astype(np.float64)  # [ctx, V]
-        first = ctx // 2
-        rows = logits[first - 1 : ctx - 1]
-        rows -= rows.max(-1, keepdims=True)
-        logp = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
-        nll -= float(logp[np.arange(len(rows)), chunk[first:]].sum())
-        count += len(rows)
+        logp = second_half(engine.forward(np.asarray(chunk)), ctx)
+        nll -= float(logp[np.arange(len(logp)), chunk[ctx // 2 :]].sum())
+        count += len(logp)
     engine.reset()
     return float(np.exp(nll / count)), count
 
