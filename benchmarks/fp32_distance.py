@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from llama_cpp import second_half  # benchmarks/, the script's folder
+from llama_cpp import chunks, second_half  # benchmarks/, the script's folder
 
 from edge_sd.bench.run import machine, write_results
 from edge_sd.pipeline import Pipeline
@@ -30,11 +30,6 @@ from edge_sd.tools import prompt_sets
 from edge_sd.tools.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
-    return [([bos] + ids[s + 1 : s + ctx]) if bos is not None else ids[s : s + ctx]
-            for s in range(0, len(ids) - ctx + 1, ctx)]
 
 
 def scored(logits: np.ndarray, ctx: int) -> np.ndarray:

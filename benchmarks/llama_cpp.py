@@ -124,17 +124,18 @@ def second_half(logits: np.ndarray, ctx: int) -> np.ndarray:
     return rows - np.log(np.exp(rows).sum(-1, keepdims=True))
 
 
+def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
+    """`ids` cut into chunks of ctx tokens as llama-perplexity cuts them, each starting with BOS."""
+    return [([bos] + ids[s + 1 : s + ctx]) if bos is not None else ids[s : s + ctx]
+            for s in range(0, len(ids) - ctx + 1, ctx)]
+
+
 def chunk_perplexity(side, text: str, ctx: int) -> tuple[float, int]:
     """Perplexity of an engine the llama-perplexity way: the text cut into chunks of ctx tokens (BOS
     first), each scored on its second half. Returns (perplexity, positions scored)."""
-    engine, vocab = side.engine, side.vocab
-    ids = vocab.encode_text(text)
-    bos = side.manifest.bos_token_id
+    engine = side.engine
     nll, count = 0.0, 0
-    for start in range(0, len(ids) - ctx + 1, ctx):
-        chunk = ids[start : start + ctx]
-        if bos is not None:
-            chunk = [bos] + chunk[1:]
+    for chunk in chunks(side.vocab.encode_text(text), ctx, side.manifest.bos_token_id):
         engine.reset()
         engine.reserve(ctx)
         logp = second_half(engine.forward(np.asarray(chunk)), ctx)

@@ -41,13 +41,11 @@ class OnlyLength(lookup.LookupProposer):
     length = 0
 
     def _continuation(self, k: int) -> list[int]:
-        self._index()
+        found = super()._continuation(k)  # indexes the history: the match below reads the same table
         h = self.history
-        for n in range(lookup.NGRAM_MAX, lookup.NGRAM_MIN - 1, -1):
-            at = self._next.get(tuple(h[-n:])) if len(h) > n else None
-            if at is not None:
-                return h[at : at + k] if n == self.length else []
-        return []
+        longest = next((n for n in range(lookup.NGRAM_MAX, lookup.NGRAM_MIN - 1, -1)
+                        if len(h) > n and tuple(h[-n:]) in self._next), 0)
+        return found if longest == self.length else []
 
 
 def acceptance(pair: Path, modes: list[str]) -> dict:

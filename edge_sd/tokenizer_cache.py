@@ -80,7 +80,7 @@ def save_parts(tokenizer_json: dict, path: Path) -> bool:
         with open(tmp, "wb") as f:
             np.savez(f, text=np.frombuffer(text.encode("utf-8"), np.uint8),
                      lengths=np.array([len(t) for t in tokens], np.int64),
-                     ids=np.array([vocab[t] for t in tokens], np.int64), merges=pairs,
+                     ids=np.fromiter(vocab.values(), np.int64, len(vocab)), merges=pairs,
                      rest=np.frombuffer(json.dumps(rest).encode("utf-8"), np.uint8))
         tmp.replace(path)
     except BaseException:
@@ -179,14 +179,12 @@ def _assembles(parts: Path, tokenizer: Tokenizer) -> bool:
         assembled = read_parts(parts).to_str()
     except Exception:  # a constructor refusing an option or token: the file is read as it is
         return False
-    same = assembled == tokenizer.to_str()
-    give_back()
-    return same
+    return assembled == tokenizer.to_str()
 
 
 def read_quick(source: Path) -> Tokenizer:
     """The tokenizer of a file quick_source returned; ArtifactError where it does not read."""
-    if source.name != QUICK_PARTS or source.suffix != ".npz":
+    if source.name != QUICK_PARTS:
         return read_file(source)
     try:
         return read_parts(source)
