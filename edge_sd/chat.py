@@ -14,6 +14,17 @@ from edge_sd.errors import UsageError
 from edge_sd.manifest import EngineManifest
 
 
+def template_note(m: EngineManifest) -> str | None:
+    """What a user should hear before chatting with an engine whose source carried no chat template:
+    the built-in format export chose from the vocabulary renders the turns, but a model without one of
+    its own is often a pretrained one, which continues the text instead of answering it."""
+    origin = m.exporter.get("chat_template", "")
+    if not origin.startswith("built-in"):
+        return None
+    return (f"{m.name}'s source has no chat template; its turns use the {origin.split(' (')[0]} format. "
+            "A model not tuned for chat (a pretrained one) continues such text rather than answering it")
+
+
 def render_chat(m: EngineManifest, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """Apply the engine's chat template."""
     if not m.chat_template:

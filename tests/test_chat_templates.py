@@ -5,6 +5,7 @@ as the template its model family ships, it is chosen by the turn markers in the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jinja2
@@ -102,3 +103,27 @@ def test_export_refuses_a_bad_template_option_before_any_work(args: list[str], w
     r = CliRunner().invoke(app, ["export", "-t", "m.gguf", "-o", str(tmp_path / "out"), *args])
     assert r.exit_code == 2 and words in r.stderr and r.stdout == "", r.output
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_chatting_with_a_built_in_template_says_so(tiny_root: Path, tmp_path: Path) -> None:
+    """A source without a template of its own is often a pretrained model: `generate --chat` and `chat`
+    say which format renders its turns, on stderr; plain generation and the model's own template say
+    nothing of it."""
+    folder = tmp_path / "engine"
+    shutil.copytree(tiny_root / "engines" / "sp_gemma", folder, ignore=shutil.ignore_patterns("runtime_cache"))
+    runner = CliRunner()
+
+    def note(*args: str, input: str | None = None) -> bool:
+        r = runner.invoke(app, [*args, "-n", "2", "-t", "1"], input=input)
+        assert r.exit_code == 0, r.output
+        assert "source has no chat template" not in r.stdout
+        return "source has no chat template; its turns use the built-in gemma format" in r.stderr
+
+    manifest = json.loads((folder / "engine.json").read_text())
+    assert manifest["exporter"]["chat_template"] == "the model's tokenizer"
+    assert not note("generate", str(folder), "-p", "hi", "--chat")
+    manifest["exporter"]["chat_template"] = "built-in gemma (the source has none; its vocabulary has its markers)"
+    (folder / "engine.json").write_text(json.dumps(manifest))
+    assert note("generate", str(folder), "-p", "hi", "--chat")
+    assert note("chat", str(folder), input="hi\n")
+    assert not note("generate", str(folder), "-p", "hi")

@@ -107,6 +107,16 @@ def _chain(temperature: float, top_k: int, top_p: float, min_p: float, repeat_pe
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
 
 
+def _notes(model: Any, chat: bool) -> None:
+    """Print what a user should hear of a loaded model: its load's notes, and before a chat, where its
+    template came from when the source had none."""
+    from edge_sd.chat import template_note
+
+    note = template_note(model.target.manifest) if chat else None
+    for line in [*model.notes, *([note] if note else [])]:
+        err.print(f"note: {escape(line)}", highlight=False, soft_wrap=True)
+
+
 @contextmanager
 def _errors() -> Iterator[None]:
     try:
@@ -329,8 +339,7 @@ def generate(
         )
         cfg.check()
         pipe = Pipeline.from_folder(folder, provider=provider, threads=threads, verify=verify)
-        for note in pipe.notes:
-            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+        _notes(pipe, chat=cfg.chat)
         gen = pipe.generator(cfg)
         if cfg.chat:
             gen.append_chat(text)
@@ -408,8 +417,7 @@ def chat(
         model = Model.load(folder, provider=provider, threads=threads)
         if not model.target.manifest.chat_template:
             raise UsageError(f"{folder} has no chat template: use `edge-sd generate`")
-        for note in model.notes:
-            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+        _notes(model, chat=True)
         interactive = sys.stdin.isatty()
         if interactive:
             # input() through readline: without it a terminal cuts a pasted line at 4,095 characters
@@ -514,8 +522,7 @@ def serve(
         from edge_sd.model import Model
 
         model = Model.load(folder, provider=provider, threads=threads)
-        for note in model.notes:
-            err.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+        _notes(model, chat=bool(model.target.manifest.chat_template))
         if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             err.print(f"note: serving on {host} without --api-key: anyone who reaches the port can use it",
                       highlight=False)
