@@ -88,6 +88,8 @@ LABELS = {"code": "code", "summarisation": "summaries", "long-code": "code files
           "long-summarisation": "news digests"}
 SHORT_SETS = ("code", "summarisation", "prose")
 MODES = ("greedy", "sample", "chat")
+# The real pair is calibrated on each set's first 4 prompts (`edge-sd calibrate --per-set 4`): held out from here on.
+SKIP = 4
 
 
 def prompt_list(sets: list[str], per_set: int, skip: int) -> list[tuple[str, str]]:
@@ -169,7 +171,7 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, help="folder of llama.cpp's binaries (llama_cpp.sh)")
     ap.add_argument("--report", action="store_true", help="only write the table and plot again from the JSON")
     ap.add_argument("--per-set", type=int, default=6)
-    ap.add_argument("--skip", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=SKIP)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--perplexity", type=int, default=0, help="also perplexity on this many news articles")

@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/lookup_match.py [--pair PAIR] [--modes greedy,sample,chat]
 
 Lookup alone drafting one candidate a round, only in rounds whose longest match has n tokens (n = 4,
-3, 2 in turn; the other rounds are plain steps), 64 new tokens, the first 12 code and summarisation
-prompts, seeds 1000+. benchmarks/results/lookup_match.md also records, from commit c7c8cb5 (whose
-version of this script ran it), auto keeping an acceptance estimate per match length against one
-estimate for every match: no faster, so auto keeps one.
+3, 2, 1 in turn; the other rounds are plain steps; lookup itself matches 2 tokens at least), 64 new
+tokens, the first 12 code and summarisation prompts, seeds 1000+. Then auto as it is against auto
+whose lookup also matches single tokens, interleaved per prompt and mode, on the 18 prompts of
+benchmarks/llama_cpp.py (`--auto-single 0` skips it). benchmarks/results/lookup_match.md also
+records, from commit c7c8cb5 (whose version of this script ran it), auto keeping an acceptance
+estimate per match length against one estimate for every match: no faster, so auto keeps one.
 
 Writes benchmarks/results/lookup_match.{md,json,png}; `--report` writes the table and plot again.
 """
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402  (the side-by-side benchmark's prompts, settings and rate)
 
 ROOT = Path(__file__).resolve().parents[1]
-LENGTHS = (4, 3, 2)
+LENGTHS = (4, 3, 2, 1)
 
 
 class OnlyLength(lookup.LookupProposer):
@@ -54,7 +56,8 @@ def acceptance(pair: Path, modes: list[str]) -> dict:
     out: dict = {}
     for mode in modes:
         for n in LENGTHS:
-            with mock.patch.object(OnlyLength, "length", n), mock.patch.object(menu, "LookupProposer", OnlyLength):
+            with mock.patch.object(OnlyLength, "length", n), mock.patch.object(menu, "LookupProposer", OnlyLength), \
+                    mock.patch.object(lookup, "NGRAM_MIN", 1):
                 stats = [pipe.generate(p, GenerationConfig(max_new_tokens=64, algorithm="lookup", schedule="static",
                                                            lookahead=1, seed=1000 + i,
                                                            **dataclasses.asdict(llama_cpp.SAMPLING[mode]))).stats
@@ -64,10 +67,37 @@ def acceptance(pair: Path, modes: list[str]) -> dict:
     return out
 
 
+def single_tokens(pair: Path, modes: list[str], per_set: int) -> dict:
+    """Decode rates of auto as it is and of auto whose lookup also matches single tokens (a pipeline
+    each: auto's estimates stay apart), interleaved per prompt and mode, the order swapped each run."""
+    pipes = {"as it is": Pipeline.from_folder(pair), "single tokens too": Pipeline.from_folder(pair)}
+    prompts = llama_cpp.prompt_list(list(llama_cpp.SHORT_SETS), per_set, llama_cpp.SKIP)
+
+    def rate(name: str, text: str, mode: str, seed: int) -> dict:
+        with mock.patch.object(lookup, "NGRAM_MIN", 1 if name == "single tokens too" else lookup.NGRAM_MIN):
+            return llama_cpp._edge(pipes[name], text, 64, "auto", mode, seed)
+
+    for name in pipes:  # warm-up: auto's load-time calibration, the first forwards of each shape
+        rate(name, prompts[0][1], "greedy", 1)
+    runs: dict = {mode: {name: [] for name in pipes} for mode in modes}
+    equal, turn = 0, 0
+    for i, (_, text) in enumerate(prompts):
+        for mode in modes:
+            order = list(pipes)[:: 1 if turn % 2 else -1]
+            turn += 1
+            got = {name: rate(name, text, mode, 1000 + i) for name in order}
+            for name, r in got.items():
+                runs[mode][name].append(r["rate"])
+            equal += mode == "greedy" and got["as it is"]["ids"] == got["single tokens too"]["ids"]
+    return {"labels": [label for label, _ in prompts], "runs": runs, "greedy_equal": equal, "prompts": len(prompts)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=ROOT / "engines" / "gemma3-270m_smollm2-135m")
     ap.add_argument("--modes", default="greedy,sample,chat")
+    ap.add_argument("--auto-single", type=int, default=6, metavar="PER_SET",
+                    help="prompts of each set for auto with and without single-token matches (0: skip)")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
@@ -79,6 +109,8 @@ def main() -> None:
         sys.exit(f"--modes takes {', '.join(llama_cpp.SAMPLING)}")
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "acceptance": acceptance(args.pair, modes)}
+    if args.auto_single:
+        result["single"] = single_tokens(args.pair, modes, args.auto_single)
     previous = args.out / "lookup_match.json"
     if previous.is_file():  # the auto comparison of commit c7c8cb5 stays beside the new acceptance
         result["auto"] = json.loads(previous.read_text()).get("auto")
@@ -89,7 +121,7 @@ MODE_NAMES = {"greedy": "greedy", "sample": "T=1", "chat": "chat (T=0.8, top-k 4
 
 
 def report(result: dict) -> str:
-    m, auto = result["machine"], result.get("auto")
+    m, auto, single = result["machine"], result.get("auto"), result.get("single")
     title = "# Prompt lookup: acceptance by match length" + (", and auto keeping an estimate for each" if auto else "")
     lines = [title, "",
              f"{result['date']}, {m['cpu']} ({m['cores']} cores), ONNX Runtime {m['onnxruntime']}; the pair "
@@ -99,24 +131,36 @@ def report(result: dict) -> str:
              "| decoding | " + " | ".join(f"n = {n}" for n in LENGTHS) + " |", "|---|" + "---|" * len(LENGTHS)]
     for mode, by_n in result["acceptance"].items():
         lines.append(f"| {MODE_NAMES[mode]} | " + " | ".join(
-            f"{a}/{p} = {a / max(p, 1):.2f}" for a, p in (by_n[str(n)] for n in LENGTHS)) + " |")
-    if not auto:
-        return "\n".join(lines) + "\n"
-    lines += ["", f"Auto with an estimate per match length against one estimate for every match, at commit "
-              f"c7c8cb5, one run each interleaved per prompt and mode, the order swapped every prompt "
-              f"({auto['prompts']} prompts of benchmarks/llama_cpp.py, each with its seed, 64 new tokens): "
-              "median decode rate (tok/s) and the median of the per-prompt ratios.", "",
-              "| decoding | set | by length | one estimate | by length / one estimate |", "|---|---|---|---|---|"]
-    for mode, runs in auto["runs"].items():
-        for label in [*dict.fromkeys(auto["labels"]), None]:
-            keep = [i for i, lab in enumerate(auto["labels"]) if label is None or lab == label]
-            a = [runs["by length"][i] for i in keep]
-            b = [runs["one estimate"][i] for i in keep]
+            f"{a}/{p} = {a / max(p, 1):.2f}" for a, p in (by_n[n] for n in map(str, LENGTHS) if n in by_n)) + " |")
+    if single:
+        lines += _comparison(single, "single tokens too", "as it is",
+                             "Auto whose lookup also matches single tokens against auto as it is (matches of 2 to 4), "
+                             f"one run each interleaved per prompt and mode, the order swapped every run "
+                             f"({single['prompts']} prompts of benchmarks/llama_cpp.py, each with its seed, 64 new "
+                             "tokens): median decode rate (tok/s) and the median of the per-prompt ratios.")
+        lines += ["", "A single token's match is accepted too rarely to pay for the row it adds to verification "
+                  "under sampling, and gains nothing greedy: lookup keeps matching 2 tokens at least (`NGRAM_MIN`)."]
+    if auto:
+        lines += _comparison(auto, "by length", "one estimate",
+                             "Auto with an estimate per match length against one estimate for every match, at commit "
+                             "c7c8cb5, one run each interleaved per prompt and mode, the order swapped every prompt "
+                             f"({auto['prompts']} prompts of benchmarks/llama_cpp.py, each with its seed, 64 new "
+                             "tokens): median decode rate (tok/s) and the median of the per-prompt ratios.")
+    return "\n".join(lines) + "\n"
+
+
+def _comparison(block: dict, a_name: str, b_name: str, intro: str) -> list[str]:
+    """Rows of two auto variants' decode rates per mode and set, with the median per-prompt ratio."""
+    lines = ["", intro, "", f"| decoding | set | {a_name} | {b_name} | {a_name} / {b_name} |", "|---|---|---|---|---|"]
+    for mode, runs in block["runs"].items():
+        for label in [*dict.fromkeys(block["labels"]), None]:
+            keep = [i for i, lab in enumerate(block["labels"]) if label is None or lab == label]
+            a = [runs[a_name][i] for i in keep]
+            b = [runs[b_name][i] for i in keep]
             ratio = statistics.median(x / y for x, y in zip(a, b, strict=True))
             lines.append(f"| {MODE_NAMES[mode]} | {label or 'all'} | {statistics.median(a):.1f} | "
                          f"{statistics.median(b):.1f} | {ratio:.3f}x |")
-    lines += ["", f"Greedy outputs equal between the two: {auto['greedy_equal']} of {auto['prompts']} prompts."]
-    return "\n".join(lines) + "\n"
+    return [*lines, "", f"Greedy outputs equal between the two: {block['greedy_equal']} of {block['prompts']} prompts."]
 
 
 def plot(result: dict, path: Path) -> None:
