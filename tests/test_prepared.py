@@ -16,6 +16,7 @@ import pytest
 
 from edge_sd import scratch
 from edge_sd.engines import prepared
+from edge_sd.engines.large_pages import Residency
 from edge_sd.engines.ort import OrtEngine, OrtSession
 from edge_sd.vocab import TABLES_FILE, Tables, Vocab
 
@@ -59,6 +60,30 @@ def test_a_saved_graph_computes_what_the_engine_does(target: Path, monkeypatch: 
     for a, b, c in zip(_logits(plain), _logits(first), _logits(later), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("gained", [True, False])
+def test_weights_in_small_pages_are_read_again_and_the_session_built_again(
+        gained: bool, target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the cache's weights sit mostly in small pages, the session is built again after they are
+    read into large ones: it computes what the first did; where that gave no large pages, a marker says
+    so and later loads do not try again."""
+    first = _session(target)
+    data = target / prepared.CACHE_DIR / prepared.ORT_DIR / prepared.DATA
+    reads: list[Path] = []
+    monkeypatch.setattr(prepared.large_pages, "wanted", lambda d: not (d.parent / prepared.large_pages.MARKER).exists())
+    monkeypatch.setattr(prepared.large_pages, "residency", lambda d: Residency(100 << 20, (90 if gained else 1) << 20))
+    monkeypatch.setattr(prepared.large_pages, "too_small", lambda d: Residency(100 << 20, 1 << 20)
+                        if prepared.large_pages.wanted(d) else None)
+    monkeypatch.setattr(prepared.large_pages, "reread", lambda d: reads.append(d) or 0.5)
+    again = _session(target)
+    assert again.graph_cache == "loaded" and reads == [data]
+    assert bool(again.notes) is gained and (not gained or "read again into large pages (0.5 s)" in again.notes[0])
+    assert (data.parent / prepared.large_pages.MARKER).exists() is not gained
+    for a, b in zip(_logits(first), _logits(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _session(target)
+    assert len(reads) == (2 if gained else 1)  # this mock's pages stay small; a marker stops the tries
 
 
 def test_a_changed_engine_or_damaged_cache_is_prepared_again(target: Path) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from edge_sd.engines import large_pages
 from edge_sd.errors import ArtifactError
 from edge_sd.layout import CACHE_DIR, DATA, KEY_FILE, MODEL, ORT_DIR
 from edge_sd.manifest import EngineManifest
@@ -198,11 +199,17 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
         level = opts.graph_optimization_level
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
         try:
-            return ort.InferenceSession(str(saved), sess_options=opts, providers=chosen), "loaded"
+            session = ort.InferenceSession(str(saved), sess_options=opts, providers=chosen)
         except Exception:  # damaged: made again below
             notes.append(f"{m.name}: ONNX Runtime could not load its runtime cache; prepared again")
             discard(saved.parent)
             opts.graph_optimization_level = level
+        else:
+            small = large_pages.too_small(saved.parent / DATA)
+            if small is not None:
+                del session  # its mappings go: pages no one maps leave the page cache
+                session = _in_large_pages(m, saved, small, opts, chosen, notes)
+            return session, "loaded"
     tmp = save_to(opts, folder)
     if tmp is None:
         return open_session(original, opts, chosen), ""
@@ -219,6 +226,22 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
         raise
     commit(tmp, folder, key)
     return session, "saved"
+
+
+def _in_large_pages(m: EngineManifest, saved: Path, small: large_pages.Residency, opts: ort.SessionOptions,
+                    chosen: list, notes: list[str]) -> ort.InferenceSession:
+    """The saved graph's session, built again after its weights file is read into large pages, the page
+    cache having held it in small ones (engines/large_pages.py)."""
+    data = saved.parent / DATA
+    took = large_pages.reread(data)
+    session = ort.InferenceSession(str(saved), sess_options=opts, providers=chosen)
+    after = large_pages.residency(data)
+    if after is None or after.share < large_pages.SMALL:
+        large_pages.mark_of_no_use(data, small, after)
+    else:
+        notes.append(f"{m.name}: its runtime cache was read again into large pages ({took:.1f} s): the page "
+                     "cache held it in small ones, in which its forwards run slower")
+    return session
 
 
 def open_session(path: Path, opts: ort.SessionOptions, chosen: list) -> ort.InferenceSession:

@@ -1,0 +1,120 @@
+"""Keeping a runtime cache's weights in large pages of the page cache (Linux).
+
+A session loaded from the runtime cache maps its prepacked weights from the cache's data file, and
+every forward reads all of them. Where the page cache holds that file in 2 MiB folios (as it does
+after the file was written, or read from start to end), the kernel maps them with one page-table
+entry each; where it holds 4 KiB pages (read back by the mapping's own faults, after the file had
+been evicted: a reboot, memory pressure), the same forward walks 512 times as many entries and
+misses the TLB on the way, and decodes markedly slower (benchmarks/results/large_pages.md).
+
+`too_small` measures how much of the file's resident mapping is in 2 MiB entries
+(/proc/self/smaps, FilePmdMapped) right after the session is built; where too little is, the caller
+drops the session, `reread` drops the file from the page cache (posix_fadvise) and reads it from
+start to end, which the kernel's readahead stores in large folios, and the caller builds the session
+again. Where that does not help (a kernel or file system without large folios for files), a marker
+beside the file says so for that kernel and later loads skip it. EDGE_SD_LARGE_PAGES=0 skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "EDGE_SD_LARGE_PAGES"
+MARKER = "large_pages.json"  # beside the data file: the kernel whose page cache gave no large pages
+# Mappings smaller than this gain too little to be worth a re-read; shares below SMALL are re-read.
+MIN_RESIDENT = 64 << 20
+SMALL = 0.5
+CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What this process holds of a file's mappings: resident bytes and those mapped in 2 MiB entries."""
+
+    resident: int
+    large: int
+
+    @property
+    def share(self) -> float:
+        return self.large / self.resident if self.resident else 1.0
+
+
+def residency(path: Path, smaps: str | None = None) -> Residency | None:
+    """Residency of this process's mappings of `path` (smaps: that file's text, for tests); None where
+    the kernel does not say (no /proc/self/smaps, or no FilePmdMapped field in it)."""
+    if smaps is None:
+        try:
+            smaps = Path("/proc/self/smaps").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+    target = str(Path(path).resolve())
+    resident = large = 0
+    inside = seen = False
+    for line in smaps.splitlines():
+        fields = line.split(maxsplit=5)
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # a mapping's header: address range, perms, offset, dev, inode, path
+            inside = len(fields) == 6 and fields[5].strip() == target
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) << 10
+        elif inside and fields[0] == "FilePmdMapped:":
+            large += int(fields[1]) << 10
+            seen = True
+    return Residency(resident, large) if seen else None
+
+
+def wanted(data: Path) -> bool:
+    """Whether a small share of large pages should be re-read: on, on Linux, and not marked as of no
+    use on this kernel."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    if not hasattr(os, "posix_fadvise") or platform.system() != "Linux":
+        return False
+    try:
+        marked = json.loads((data.parent / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(marked, dict) and marked.get("kernel") == platform.release())
+
+
+def too_small(data: Path) -> Residency | None:
+    """This process's residency of `data` where it is large and mostly in small pages and re-reading
+    is `wanted`, else None."""
+    if not wanted(data):
+        return None
+    held = residency(data)
+    if held is None or held.resident < MIN_RESIDENT or held.share >= SMALL:
+        return None
+    return held
+
+
+def reread(data: Path) -> float:
+    """Drop `data` from the page cache and read it from start to end; seconds taken. Pages some other
+    process maps stay as they are."""
+    start = time.perf_counter()
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while os.read(fd, CHUNK):
+            pass
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def mark_of_no_use(data: Path, before: Residency, after: Residency | None) -> None:
+    """Remember that re-reading gave no large pages on this kernel (best effort: a read-only folder
+    re-reads at every load)."""
+    record = {"kernel": platform.release(), "share_before": round(before.share, 3),
+              "share_after": None if after is None else round(after.share, 3)}
+    try:
+        (data.parent / MARKER).write_text(json.dumps(record) + "\n", encoding="utf-8")
+    except OSError:
+        pass

@@ -1,0 +1,83 @@
+"""Whether a runtime cache's weights sit in large pages, and re-reading them into large pages where they
+do not (engines/large_pages.py; prepared.py's use of it is tested in test_prepared.py)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import pytest
+
+from edge_sd.engines import large_pages
+from edge_sd.engines.large_pages import Residency
+
+
+def smaps(path: Path) -> str:
+    """Three mappings: two of `path` (one partly in 2 MiB entries), one of another file."""
+    def mapping(start: str, name: str, rss_kb: int, pmd_kb: int) -> str:
+        return (f"{start}-7f0000400000 r--p 00000000 fe:01 1234    {name}\n"
+                f"Size:               4096 kB\nRss:             {rss_kb} kB\nFilePmdMapped:   {pmd_kb} kB\n"
+                "Locked:                0 kB\n")
+    return (mapping("7f0000000000", str(path), 4096, 2048) + mapping("7f1000000000", str(path), 1024, 0)
+            + mapping("7f2000000000", "/usr/lib/libc.so.6", 512, 0))
+
+
+def test_residency_sums_the_files_mappings_only(tmp_path: Path) -> None:
+    data = tmp_path / "a dir" / "model.onnx.data"  # a path with a space: the header's last field whole
+    held = large_pages.residency(data, smaps(data))
+    assert held == Residency(5120 << 10, 2048 << 10) and held.share == pytest.approx(0.4)
+    assert large_pages.residency(tmp_path / "other", smaps(data)) is None  # never mapped: nothing said
+    assert large_pages.residency(data, smaps(data).replace("FilePmdMapped", "Other")) is None  # a kernel without it
+    assert Residency(0, 0).share == 1.0
+
+
+def test_residency_of_this_process_reads_its_own_smaps(tmp_path: Path) -> None:
+    import mmap
+
+    data = tmp_path / "w.bin"
+    data.write_bytes(b"\1" * (1 << 20))
+    with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert sum(m[i] for i in range(0, len(m), 4096)) == 256  # touch every page
+        held = large_pages.residency(data)
+    if held is None:
+        pytest.skip("this kernel's smaps has no FilePmdMapped")
+    assert held.resident >= 1 << 20
+
+
+def test_wanted_follows_the_switch_and_the_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "model.onnx.data"
+    monkeypatch.setattr(large_pages.platform, "system", lambda: "Linux")
+    monkeypatch.delenv(large_pages.ENV, raising=False)
+    assert large_pages.wanted(data)
+    monkeypatch.setenv(large_pages.ENV, "0")
+    assert not large_pages.wanted(data)
+    monkeypatch.delenv(large_pages.ENV)
+    large_pages.mark_of_no_use(data, Residency(100, 1), None)
+    assert json.loads((tmp_path / large_pages.MARKER).read_text())["kernel"] == platform.release()
+    assert not large_pages.wanted(data)
+    (tmp_path / large_pages.MARKER).write_text(json.dumps({"kernel": "another"}))
+    assert large_pages.wanted(data)
+    (tmp_path / large_pages.MARKER).write_text("not json")
+    assert large_pages.wanted(data)
+
+
+@pytest.mark.parametrize("held, small", [(Residency(large_pages.MIN_RESIDENT, 0), True),
+                                         (Residency(large_pages.MIN_RESIDENT - 1, 0), False),
+                                         (Residency(large_pages.MIN_RESIDENT, large_pages.MIN_RESIDENT // 2), False),
+                                         (None, False)])
+def test_too_small_only_for_a_large_mapping_mostly_in_small_pages(held: Residency | None, small: bool,
+                                                                 tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(large_pages, "wanted", lambda data: True)
+    monkeypatch.setattr(large_pages, "residency", lambda data: held)
+    assert large_pages.too_small(tmp_path / "d") == (held if small else None)
+
+
+def test_reread_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(bytes(range(256)) * 40000)
+    if not hasattr(large_pages.os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    assert large_pages.reread(data) >= 0
+    assert data.read_bytes() == bytes(range(256)) * 40000
