@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_sd.bench.llama_cpp import in_large_pages
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine, write_results
 from edge_sd.decoder import PREFILL_CHUNK
@@ -224,6 +225,7 @@ def main() -> None:
     gguf = args.gguf or Path(manifest.source)
     if not gguf.is_file():
         sys.exit(f"GGUF file {gguf} not found (--gguf)")
+    in_large_pages(gguf)  # llama-bench maps it: in the state edge-sd's load keeps its own weights
     if args.memory_only:  # each memory run loads the target in a process of its own
         result = json.loads((args.out / "context_depth.json").read_text())
         result["memory"] = measure_memory(args, bench, gguf, [int(d) for d in result["runs"]])

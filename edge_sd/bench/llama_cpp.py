@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_sd.engines import large_pages
 from edge_sd.errors import UsageError
 from edge_sd.sampling import SamplingConfig
 
@@ -118,6 +119,13 @@ def version(folder: Path) -> str:
     return f"vendored in llama-cpp-python {built} ({own})" if Path(folder).name == "bin" else own
 
 
+def in_large_pages(gguf: Path) -> None:
+    """Read the GGUF file that llama.cpp maps into large folios of the page cache, as edge-sd's load does
+    for its own weights (engines/large_pages.py): the tools compared with their files in the same state."""
+    if hasattr(large_pages.os, "posix_fadvise"):
+        large_pages.reread(Path(gguf))
+
+
 class LlamaCpp:
     """llama.cpp's tools in `folder`, run on `gguf` with `threads` threads and a `ctx`-position cache."""
 
@@ -130,6 +138,7 @@ class LlamaCpp:
         if not self.gguf.is_file():
             raise UsageError(f"GGUF file {self.gguf} not found: llama.cpp runs the file the target was exported "
                              "from (give it with --gguf)")
+        in_large_pages(self.gguf)
 
     def plain(self, prompt: str, n: int, sampling: SamplingConfig, seed: int) -> Timing:
         args = tool_args(self.gguf, n, self.threads, sampling, seed, self.ctx) + list(PLAIN_ARGS)
