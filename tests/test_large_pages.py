@@ -14,19 +14,21 @@ from edge_sd.engines.large_pages import Residency
 
 
 def smaps(path: Path) -> str:
-    """Three mappings: two of `path` (one partly in 2 MiB entries), one of another file."""
-    def mapping(start: str, name: str, rss_kb: int, pmd_kb: int) -> str:
-        return (f"{start}-7f0000400000 r--p 00000000 fe:01 1234    {name}\n"
+    """Three mappings of 4 MiB: two of `path` (the first whole resident, part in 2 MiB entries; the
+    second a quarter resident), one of another file."""
+    def mapping(start: int, offset: int, name: str, rss_kb: int, pmd_kb: int) -> str:
+        return (f"{start:x}-{start + (4 << 20):x} r--p {offset:08x} fe:01 1234    {name}\n"
                 f"Size:               4096 kB\nRss:             {rss_kb} kB\nFilePmdMapped:   {pmd_kb} kB\n"
                 "Locked:                0 kB\n")
-    return (mapping("7f0000000000", str(path), 4096, 2048) + mapping("7f1000000000", str(path), 1024, 0)
-            + mapping("7f2000000000", "/usr/lib/libc.so.6", 512, 0))
+    return (mapping(0x7F0000000000, 0, str(path), 4096, 2048) + mapping(0x7F1000000000, 8 << 20, str(path), 1024, 0)
+            + mapping(0x7F2000000000, 0, "/usr/lib/libc.so.6", 512, 0))
 
 
 def test_residency_sums_the_files_mappings_only(tmp_path: Path) -> None:
     data = tmp_path / "a dir" / "model.onnx.data"  # a path with a space: the header's last field whole
     held = large_pages.residency(data, smaps(data))
-    assert held == Residency(5120 << 10, 2048 << 10) and held.share == pytest.approx(0.4)
+    assert held == Residency(5120 << 10, 2048 << 10, ((0, 4 << 20),)) and held.share == pytest.approx(0.4)
+    # spans: the mappings at least half resident (what the load read), as (file offset, length)
     assert large_pages.residency(tmp_path / "other", smaps(data)) is None  # never mapped: nothing said
     assert large_pages.residency(data, smaps(data).replace("FilePmdMapped", "Other")) is None  # a kernel without it
     assert Residency(0, 0).share == 1.0
@@ -79,5 +81,29 @@ def test_reread_leaves_the_file_as_it_was(tmp_path: Path) -> None:
     data.write_bytes(bytes(range(256)) * 40000)
     if not hasattr(large_pages.os, "posix_fadvise"):
         pytest.skip("no posix_fadvise here")
-    assert large_pages.reread(data) >= 0
+    assert large_pages.reread(data, ((0, data.stat().st_size),)) >= 0
     assert data.read_bytes() == bytes(range(256)) * 40000
+
+
+@pytest.mark.parametrize("spans, dropped", [
+    # a span in the middle: the whole 2 MiB stretches before and after it, not the partial ones
+    (((3 << 20, 4 << 20),), [(0, 2 << 20), (8 << 20, 20 << 20)]),
+    # two spans with a gap between them; the file's last stretch is dropped whole up to its end
+    (((0, 2 << 20), (6 << 20, 1 << 20)), [(2 << 20, 6 << 20), (8 << 20, 20 << 20)]),
+    (((0, 20 << 20),), []),  # all of it spanned: nothing dropped
+    ((), []),  # nothing known to be read: all of it kept
+])
+def test_reread_drops_again_only_whole_stretches_outside_the_spans(
+        spans: tuple[tuple[int, int], ...], dropped: list[tuple[int, int]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not hasattr(large_pages.os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(b"\0" * (20 << 20))
+    calls = []
+    monkeypatch.setattr(large_pages.os, "posix_fadvise",
+                        lambda fd, offset, length, advice: calls.append((offset, length, advice)))
+    large_pages.reread(data, spans)
+    again = [(o, o + n) for o, n, advice in calls[2:] if advice == large_pages.os.POSIX_FADV_DONTNEED]
+    assert calls[:2] == [(0, 0, large_pages.os.POSIX_FADV_DONTNEED), (0, 0, large_pages.os.POSIX_FADV_SEQUENTIAL)]
+    assert again == dropped

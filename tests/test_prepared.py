@@ -75,7 +75,7 @@ def test_weights_in_small_pages_are_read_again_and_the_session_built_again(
     monkeypatch.setattr(prepared.large_pages, "residency", lambda d: Residency(100 << 20, (90 if gained else 1) << 20))
     monkeypatch.setattr(prepared.large_pages, "too_small", lambda d: Residency(100 << 20, 1 << 20)
                         if prepared.large_pages.wanted(d) else None)
-    monkeypatch.setattr(prepared.large_pages, "reread", lambda d: reads.append(d) or 0.5)
+    monkeypatch.setattr(prepared.large_pages, "reread", lambda d, spans: reads.append(d) or 0.5)
     again = _session(target)
     assert again.graph_cache == "loaded" and reads == [data]
     assert bool(again.notes) is gained and (not gained or "read again into large pages (0.5 s)" in again.notes[0])

@@ -9,10 +9,13 @@ misses the TLB on the way, and decodes markedly slower (benchmarks/results/large
 
 `too_small` measures how much of the file's resident mapping is in 2 MiB entries
 (/proc/self/smaps, FilePmdMapped) right after the session is built; where too little is, the caller
-drops the session, `reread` drops the file from the page cache (posix_fadvise) and reads it from
-start to end, which the kernel's readahead stores in large folios, and the caller builds the session
-again. Where that does not help (a kernel or file system without large folios for files), a marker
-beside the file says so for that kernel and later loads skip it. EDGE_SD_LARGE_PAGES=0 skips it.
+drops the session, `reread` drops the file from the page cache (posix_fadvise) and reads it through,
+which the kernel's readahead stores in large folios, then drops again what the load had not made
+resident, and the caller builds the session again. What was dropped again (the embedding table, of
+which a forward reads a row a token) faults in small pages as before, where in 2 MiB folios each row
+read would map 2 MiB. Where that does not help (a kernel or file system without large folios for
+files), a marker beside the file says so for that kernel and later loads skip it. EDGE_SD_LARGE_PAGES=0
+skips it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MARKER = "large_pages.json"  # beside the data file: the kernel whose page cache
 MIN_RESIDENT = 64 << 20
 SMALL = 0.5
 CHUNK = 8 << 20
+LARGE = 2 << 20  # a PMD-mapped folio's size on x86-64 and arm64 with 4 KiB pages
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class Residency:
 
     resident: int
     large: int
+    # (offset, length) in the file of each mapping at least half resident: what the load itself read
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def share(self) -> float:
@@ -54,19 +60,27 @@ def residency(path: Path, smaps: str | None = None) -> Residency | None:
             return None
     target = str(Path(path).resolve())
     resident = large = 0
-    inside = seen = False
+    seen = False
+    mapping: list[int] | None = None  # offset, length, resident bytes of the mapping being read
+    mappings = []
     for line in smaps.splitlines():
         fields = line.split(maxsplit=5)
         if not fields:
             continue
         if not fields[0].endswith(":"):  # a mapping's header: address range, perms, offset, dev, inode, path
-            inside = len(fields) == 6 and fields[5].strip() == target
-        elif inside and fields[0] == "Rss:":
-            resident += int(fields[1]) << 10
-        elif inside and fields[0] == "FilePmdMapped:":
+            mapping = None
+            if len(fields) == 6 and fields[5].strip() == target:
+                start, _, end = fields[0].partition("-")
+                mapping = [int(fields[2], 16), int(end, 16) - int(start, 16), 0]
+                mappings.append(mapping)
+        elif mapping is not None and fields[0] == "Rss:":
+            mapping[2] = int(fields[1]) << 10
+            resident += mapping[2]
+        elif mapping is not None and fields[0] == "FilePmdMapped:":
             large += int(fields[1]) << 10
             seen = True
-    return Residency(resident, large) if seen else None
+    spans = tuple(sorted((offset, length) for offset, length, held in mappings if 2 * held >= length))
+    return Residency(resident, large, spans) if seen else None
 
 
 def wanted(data: Path) -> bool:
@@ -94,9 +108,11 @@ def too_small(data: Path) -> Residency | None:
     return held
 
 
-def reread(data: Path) -> float:
-    """Drop `data` from the page cache and read it from start to end; seconds taken. Pages some other
-    process maps stay as they are."""
+def reread(data: Path, spans: tuple[tuple[int, int], ...]) -> float:
+    """Drop `data` from the page cache, read it from start to end (readahead takes a file read in order
+    into large folios; read stretch by stretch, it did not) and drop again the whole 2 MiB stretches
+    outside `spans` (offset, length; none: all of it is kept); seconds taken. Pages some other process
+    maps stay as they are."""
     start = time.perf_counter()
     fd = os.open(data, os.O_RDONLY)
     try:
@@ -104,6 +120,13 @@ def reread(data: Path) -> float:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while os.read(fd, CHUNK):
             pass
+        size = os.fstat(fd).st_size
+        kept = 0
+        for offset, length in [*(spans or ((0, size),)), (size, 0)]:
+            gap_start, gap_end = -(-kept // LARGE) * LARGE, offset // LARGE * LARGE
+            if gap_end > gap_start:
+                os.posix_fadvise(fd, gap_start, gap_end - gap_start, os.POSIX_FADV_DONTNEED)
+            kept = max(kept, offset + length)
     finally:
         os.close(fd)
     return time.perf_counter() - start

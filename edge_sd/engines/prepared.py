@@ -233,7 +233,7 @@ def _in_large_pages(m: EngineManifest, saved: Path, small: large_pages.Residency
     """The saved graph's session, built again after its weights file is read into large pages, the page
     cache having held it in small ones (engines/large_pages.py)."""
     data = saved.parent / DATA
-    took = large_pages.reread(data)
+    took = large_pages.reread(data, small.spans)
     session = ort.InferenceSession(str(saved), sess_options=opts, providers=chosen)
     after = large_pages.residency(data)
     if after is None or after.share < large_pages.SMALL:
