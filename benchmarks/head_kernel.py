@@ -37,6 +37,8 @@ def head_session(bits: int, threads: int):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
+    from edge_sd.engines.providers import session_options
+
     rng = np.random.default_rng(0)
     rows = VOCAB // PARTS
     nodes, weights = [], []
@@ -51,9 +53,7 @@ def head_session(bits: int, threads: int):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, VOCAB])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the runtime's default
+    opts = session_options(threads, "always")  # an engine's own options
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
