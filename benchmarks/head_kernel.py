@@ -127,7 +127,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     labels = [f"{r['bits']}-bit, {r['threads']} thr" for r in result["rows"]]
-    ax.bar(labels, [r["gbs"] for r in result["rows"]], color="tab:blue", label="head product")
+    ax.bar(labels, [r["gbs"] for r in result["rows"]], color="tab:blue")
     for n, v in result["stream_gbs"].items():
         ax.axhline(v, ls="--", color="tab:gray")
         ax.text(len(labels) - 0.5, v, f"stream, {n} proc", va="bottom", ha="right", fontsize=8)

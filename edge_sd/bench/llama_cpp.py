@@ -123,7 +123,7 @@ def in_large_pages(gguf: Path) -> None:
     """Read the GGUF file that llama.cpp maps into large folios of the page cache, as edge-sd's load does
     for its own weights (engines/large_pages.py): the tools compared with their files in the same state."""
     if hasattr(large_pages.os, "posix_fadvise"):
-        large_pages.reread(Path(gguf), ((0, Path(gguf).stat().st_size),))  # all of it kept
+        large_pages.reread(Path(gguf), ())  # no spans: all of it kept
 
 
 class LlamaCpp:
