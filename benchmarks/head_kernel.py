@@ -32,8 +32,9 @@ VOCAB, HIDDEN, BLOCK, PARTS = 262_144, 640, 32, 4
 STREAM_BYTES = 400 << 20
 
 
-def head_session(bits: int, threads: int):
-    """A session of the head's shape: PARTS MatMulNBits nodes over the vocabulary, concatenated."""
+def head_session(bits: int, threads: int, spin: str = "always"):
+    """A session of the head's shape: PARTS MatMulNBits nodes over the vocabulary, concatenated, for any
+    number of rows (spin: OrtSession's; "run" where other threads run between the session's runs)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -49,11 +50,11 @@ def head_session(bits: int, threads: int):
         nodes.append(helper.make_node("MatMulNBits", ["x", f"w{p}", f"s{p}"], [f"y{p}"], domain="com.microsoft",
                                       K=HIDDEN, N=rows, bits=bits, block_size=BLOCK, accuracy_level=4))
     nodes.append(helper.make_node("Concat", [f"y{p}" for p in range(PARTS)], ["y"], axis=-1))
-    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, HIDDEN])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, VOCAB])], weights)
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", HIDDEN])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", VOCAB])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    opts = session_options(threads, "always")  # an engine's own options
+    opts = session_options(threads, spin)  # an engine's own options
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
