@@ -1,17 +1,18 @@
-"""Would a hand-written kernel read the LM head faster than ONNX Runtime's? Two C kernels for the
+"""Does a hand-written kernel read the LM head faster than ONNX Runtime's? Two C kernels for the
 product over 8-bit blocks of 32 against MatMulNBits, for the row counts decoding uses.
 
     .venv/bin/python benchmarks/head_gemv.py [--rounds 3] [--rows 1,2,4,8,17]
 
 head_kernel.py found MatMulNBits reading the default target's 8-bit head (262,144 x 640) below the
-rate the memory streams. This compiles two kernels (the system's `cc`, -O3 -march=native; AVX-512
-VNNI needed) that quantize each row of activations to int8 per block of 32, as MatMulNBits does at
-accuracy level 4, take each block's dot product in integers, and sum the blocks in float32:
+rate the memory streams. Two kernels (built by the system's `cc`, -O3 -march=native; AVX-512 VNNI
+needed) quantize each row of activations to int8 per block of 32, as MatMulNBits does at accuracy
+level 4, take each block's dot product in integers, and sum the blocks in float32:
 
-- rows: over the blocks as the export stores them (one byte a weight, shifted by 128, a float32
-  scale a block), four weight rows' blocks prefetched ahead, two activation rows a pass;
-- repacked: over blocks repacked eight weight rows at a time (four values of eight rows an
-  instruction), as ONNX Runtime repacks its own.
+- rows (compiled here): over the blocks as the export stores them (one byte a weight, shifted by
+  128, a float32 scale a block), four weight rows' blocks prefetched ahead, two activation rows a
+  pass;
+- repacked: the runtime's own (edge_sd/engines/lm_head.py), over blocks repacked eight weight rows
+  at a time (four values of eight rows an instruction), as ONNX Runtime repacks its own.
 
 Each computes a row's logits by the same instructions whatever the row count, as verification
 needs. Both are checked against a float64 product of the same int8 activations, then timed with
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_sd.bench.run import machine, write_results
+from edge_sd.engines.lm_head import LmHead
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -144,43 +146,6 @@ void edge_sd_rows(const uint8_t *w, const float *s, long kb, const int8_t *xq, c
         }
     }
 }
-
-/* The same product over blocks repacked eight rows at a time, as ONNX Runtime's kernel repacks them:
-   wp [rows/8][kb][8 groups of four values][8 rows][4 bytes], sp [rows/8][kb][8 rows]; one VNNI
-   instruction then takes four values of eight rows, and a block's factor is one vector product.
-   nsum [m][kb]: -128 times the sum of each block of xq. */
-void edge_sd_rows8(const uint8_t *wp, const float *sp, long kb, const int8_t *xq, const float *dx,
-                   const int32_t *nsum, long m, float *y, long ldy, long g0, long g1) {
-#if EDGE_SD_VNNI
-    for (long g = g0; g < g1; g++) {
-        const uint8_t *wg = wp + g * kb * 256;
-        const float *sg = sp + g * kb * 8;
-        if (g + 2 < g1) {
-            for (long o = 0; o < kb * 256; o += 64) __builtin_prefetch(wg + 2 * kb * 256 + o);
-            for (long o = 0; o < kb * 8; o += 16) __builtin_prefetch(sg + 2 * kb * 8 + o);
-        }
-        for (long r = 0; r < m; r++) {
-            const int32_t *xr = (const int32_t *)(xq + r * kb * 32);
-            __m256 f0 = _mm256_setzero_ps(), f1 = f0;
-            for (long b = 0; b < kb; b++) {
-                const uint8_t *wb = wg + b * 256;
-                const int32_t *xb = xr + b * 8;
-                __m256i i0 = _mm256_set1_epi32(nsum[r * kb + b]), i1 = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    i0 = _mm256_dpbusd_epi32(i0, _mm256_loadu_si256((const __m256i *)(wb + 32 * j)),
-                                             _mm256_set1_epi32(xb[j]));
-                    i1 = _mm256_dpbusd_epi32(i1, _mm256_loadu_si256((const __m256i *)(wb + 32 * j + 32)),
-                                             _mm256_set1_epi32(xb[j + 1]));
-                }
-                __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1));
-                __m256 f = _mm256_mul_ps(_mm256_loadu_ps(sg + b * 8), _mm256_set1_ps(dx[r * kb + b]));
-                if (b & 1) f1 = _mm256_fmadd_ps(v, f, f1); else f0 = _mm256_fmadd_ps(v, f, f0);
-            }
-            _mm256_storeu_ps(y + r * ldy + g * 8, _mm256_add_ps(f0, f1));
-        }
-    }
-#endif
-}
 """
 
 
@@ -192,7 +157,6 @@ def build(folder: Path) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_long
     dll.edge_sd_quantize.argtypes = [p, i, i, p, p, p]
     dll.edge_sd_rows.argtypes = [p, p, i, p, p, p, i, p, i, i, i, i]
-    dll.edge_sd_rows8.argtypes = [p, p, i, p, p, p, i, p, i, i, i]
     dll.edge_sd_vnni.restype = ctypes.c_int
     return dll
 
@@ -205,8 +169,7 @@ class Kernels:
         self.dll, self.kb = dll, HIDDEN // BLOCK
         self.w = rng.integers(0, 256, (VOCAB, HIDDEN), dtype=np.uint8)
         self.s = rng.uniform(1e-3, 1e-2, (VOCAB, self.kb)).astype(np.float32)
-        self.wp = np.ascontiguousarray(self.w.reshape(VOCAB // 8, 8, self.kb, 8, 4).transpose(0, 2, 3, 1, 4))
-        self.sp = np.ascontiguousarray(self.s.reshape(VOCAB // 8, 8, self.kb).transpose(0, 2, 1))
+        self.head = LmHead(self.w, self.s, threads=2)  # the runtime's own kernel
         self.pool = ThreadPoolExecutor(1)
 
     def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -228,11 +191,7 @@ class Kernels:
         self._halves(self.dll.edge_sd_rows, args, VOCAB, PREFETCH_ROWS)
 
     def repacked(self, x: np.ndarray, y: np.ndarray) -> None:
-        xq, dx, negc = self.quantize(x)
-        nsum = np.ascontiguousarray(negc.sum(-1, dtype=np.int32))
-        args = (self.wp.ctypes.data, self.sp.ctypes.data, self.kb, xq.ctypes.data, dx.ctypes.data, nsum.ctypes.data,
-                len(x), y.ctypes.data, VOCAB)
-        self._halves(self.dll.edge_sd_rows8, args, VOCAB // 8)
+        self.head(x, y)
 
     def reference(self, x: np.ndarray) -> np.ndarray:
         xq, dx, _ = self.quantize(x)
@@ -263,7 +222,8 @@ def report(result: dict) -> str:
     lines += ["", f"At {one['m']} row the rows kernel takes {one['rows'] / one['ort']:.2f}x MatMulNBits' time and the "
               f"repacked one {one['repacked'] / one['ort']:.2f}x. A verification forward's logits must be those of "
               "single steps, so one kernel computes every row count; over all the counts measured the better of "
-              f"the two ({best}) is at most {worst:.2f}x MatMulNBits' time.", ""]
+              f"the two ({best}) is at most {worst:.2f}x MatMulNBits' time. edge-sd computes its target's head "
+              "with the repacked kernel (edge_sd/engines/lm_head.py).", ""]
     return "\n".join(lines)
 
 

@@ -123,6 +123,12 @@ class EngineManifest:
     # weights carried from the file by GGML type and how they were checked (export/gguf_graph.py); for
     # gguf and fp32 targets, how many parts the LM head is computed in (export/logits.py).
     quantization: dict[str, Any] = field(default_factory=dict)
+    # An 8-bit LM head (blocks of 32, no zero points) that the runtime may compute itself
+    # (engines/lm_head.py): {"output": the graph output holding the hidden states the head reads,
+    # "rows", "cols", "file": the weights file, "weight": [offset, bytes] of its blocks [rows, cols]
+    # (each weight + 128), "scales": [offset, bytes] of its float32 scales [rows, cols / 32]}. The
+    # graph still computes the head for apps that read `logits`. Empty: none.
+    lm_head: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_bytes_per_position(self) -> int:
@@ -219,6 +225,12 @@ def _check_types(obj: Any, source: Path) -> None:
             raise ArtifactError(f"{source}: min_step_positions must be at least 1, got {obj.min_step_positions}")
         if obj.min_head_rows is not None and (type(obj.min_head_rows) is not int or obj.min_head_rows < 1):
             raise ArtifactError(f"{source}: min_head_rows must be null or at least 1, got {obj.min_head_rows!r}")
+        head = obj.lm_head
+        if head and not (isinstance(head, dict) and {"output", "rows", "cols", "file", "weight", "scales"} <= set(head)
+                         and all(isinstance(head[k], list) and len(head[k]) == 2 and
+                                 all(type(v) is int and v >= 0 for v in head[k]) for k in ("weight", "scales"))
+                         and all(type(head[k]) is int and head[k] > 0 for k in ("rows", "cols"))):
+            raise ArtifactError(f"{source}: lm_head is not a description of an 8-bit head: {head!r}")
 
 
 def _load_json(path: Path) -> Any:

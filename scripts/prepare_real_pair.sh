@@ -29,7 +29,7 @@ fi
 TARGET_PRECISION=${EDGE_SD_TARGET_PRECISION:-gguf}
 DRAFTER_PRECISION=${EDGE_SD_DRAFTER_PRECISION:-int4}
 # What the folder was exported with; a change (here or in the exporter's recipe) exports again.
-RECIPE="exporter=builder-0.15.2 target=$TARGET_PRECISION drafter=$DRAFTER_PRECISION format=3 steps=1-previous-row logits=keep gguf=1 head=1 zero=shift lm_head=parts fuse=gate-up minimum=centred window=views-same-steps global=grouped genai=own-graph tokenizers=gguf chat=builtin"
+RECIPE="exporter=builder-0.15.2 target=$TARGET_PRECISION drafter=$DRAFTER_PRECISION format=3 steps=1-previous-row logits=keep gguf=1 head=1 zero=shift lm_head=parts fuse=gate-up minimum=centred window=views-same-steps global=grouped genai=own-graph tokenizers=gguf chat=builtin head=runtime"
 # One export serves every folder that asks for the pair: it is made once in the cache and copied
 # (hard links where the filesystem allows) to OUT, so that scripts/test.sh after scripts/real_pair.sh
 # (or the other way round) exports nothing again.

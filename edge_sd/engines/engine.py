@@ -29,6 +29,10 @@ SCRATCH_ROWS = 17
 # after it (engines/host_memory.py): a few milliseconds against seconds of forward.
 GIVE_BACK_AFTER = 256
 
+# `logits_to_keep` for a forward whose logits the runtime computes (engines/lm_head.py): the graph's
+# head then gets no rows (its slice starts past the end).
+NO_HEAD_ROWS = -(1 << 62)
+
 # Positions by which the grouped global layers' bindings move (manifest `grouped_attention`): their
 # writers' views start, and their whole caches end, at multiples of this.
 GROUPED_STEP = 64
@@ -97,7 +101,11 @@ class OrtEngine:
     def _bind(self) -> None:
         source, m = self.shared, self.manifest
         self._io = source.session.io_binding()
-        # Logits are bound first, so that they are always the first output.
+        self._head = source.head
+        # The first output bound is the one a forward reads: the hidden states where the runtime
+        # computes the LM head, else the logits.
+        if self._head is not None:
+            self._io.bind_output(m.lm_head["output"], "cpu")
         self._io.bind_output("logits", "cpu")
         kv_class = SharedKV if m.kv_layout == "shared" else ConcatKV
         self._kv = kv_class(m, self._io, source.device, source.kv_dtype, self._capacity)
@@ -274,6 +282,10 @@ class OrtEngine:
         io.bind_cpu_input("attention_mask", self._ones[:, :total])
         if m.has_position_ids:
             io.bind_cpu_input("position_ids", self._positions[:, start:total])
+        if self._head is not None:
+            assert self._keep is not None  # the head is computed here only behind logits_to_keep
+            self._keep[0] = NO_HEAD_ROWS
+            return self._run_head(kv.bind_past(start), n, scratch)
         if self._keep is not None:
             # The LM head runs over at least head_rows rows: a 4-bit head's single-row kernel rounds
             # otherwise, and a plain step would not compute what a verification forward does.
@@ -300,6 +312,25 @@ class OrtEngine:
         out = dict(zip(names, io.get_outputs(), strict=False))
         kv.after_run(out)
         return out["logits"].numpy()[0, -n:]
+
+    def _run_head(self, cache: list[str], n: int, scratch: bool) -> np.ndarray:
+        """The run of `_run` where the runtime computes the LM head: the graph gives the hidden states
+        (and no logits rows), and the head's kernel the last n rows' logits."""
+        io, kv, head = self._io, self._kv, self._head
+        assert kv is not None and head is not None
+        io.bind_output(self.manifest.lm_head["output"], "cpu")
+        io.bind_output("logits", "cpu")
+        self.shared.session.run_with_iobinding(io)
+        raw = getattr(io, "_iobinding", None)
+        if not cache and raw is not None:  # as in _run: the binding's own vector, where it has one
+            hidden = raw.get_outputs()[0].numpy()
+        else:
+            out = dict(zip([self.manifest.lm_head["output"], "logits", *cache], io.get_outputs(), strict=False))
+            if cache:
+                kv.after_run(out)
+            hidden = out[self.manifest.lm_head["output"]].numpy()
+        buffer = self._scratch_rows(n) if scratch else None
+        return head(hidden[0, -n:], buffer[0][0] if buffer is not None else None)
 
     def _scratch_rows(self, rows: int) -> tuple[np.ndarray, Any] | None:
         """The scratch logits buffer's first `rows` rows, as an array and as an OrtValue over the same

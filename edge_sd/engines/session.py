@@ -3,6 +3,7 @@ where one was prepared), shared by the engines of every request."""
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edge_sd.engines import host_memory, prepared
+from edge_sd.engines import host_memory, lm_head, prepared
 from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.engine import _NP_DTYPES, OrtEngine
@@ -68,7 +69,12 @@ class OrtSession:
         self._own_min_step = min_step_positions is None  # else a caller's: not measured at build
         self.min_step = m.min_step_positions if min_step_positions is None else max(1, min_step_positions)
         self.head_rows = (m.min_head_rows or self.min_step) if min_step_positions is None else self.min_step
-        opts = session_options(threads, spin)
+        # The runtime computes an 8-bit LM head itself where it can (engines/lm_head.py): the graph's
+        # worker threads then stop spinning as a run returns, since the head's threads run next.
+        self._own_head = bool(m.lm_head) and m.device == "cpu" and lm_head.wanted()[0]
+        opts = session_options(threads, "run" if self._own_head and spin == "always" else spin)
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+        self._head_threads = threads or len(cores)
         # optimum's graphs are standard ONNX and run anywhere; the builder makes a graph for one device.
         names = resolve_providers(provider, cpu_only=m.export_path == "builder" and m.device == "cpu")
         self.capacity = min(m.max_context, max(DEFAULT_CAPACITY, m.sliding_window or 0))
@@ -91,7 +97,9 @@ class OrtSession:
     device: str
     keeps_logits: bool
     consistency: dict | None
-    _BUILT = frozenset(("session", "graph_cache", "providers", "kv_dtype", "device", "keeps_logits", "consistency"))
+    head: lm_head.LmHead | None  # the LM head computed outside the graph, where it is
+    _BUILT = frozenset(("session", "graph_cache", "providers", "kv_dtype", "device", "keeps_logits", "consistency",
+                        "head"))
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes not set yet: those of a session not built yet.
@@ -131,6 +139,9 @@ class OrtSession:
         self.device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
         # A graph with `logits_to_keep` (export/logits.py) computes the LM head for the positions asked.
         self.keeps_logits = KEEP_INPUT in inputs
+        self.head = None
+        if self._own_head and self.device == "cpu" and self.keeps_logits and m.lm_head["rows"] == m.logits_width:
+            self.head = lm_head.from_engine(self.folder, m.lm_head, self._head_threads)
         # min_step_positions was measured where the export validated the graph; on another provider
         # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
         # again here, in a few dozen forwards (engines/consistency.py).

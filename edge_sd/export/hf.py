@@ -438,6 +438,11 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
                 pasts, window = window_views(dest / "model.onnx")
             with step("global layers as one product over their heads"):
                 grouped = grouped_global(dest / "model.onnx")
+    lm_head = {}
+    if gguf and not opts.drafter:
+        from edge_sd.export.logits import expose_head
+
+        lm_head = expose_head(dest / "model.onnx")  # last: it points into the weights file as written
     manifest = _manifest(src, dest, job.config, job.gen, job.tok, job.tj, opts, job.name, job.tokenizer, path,
                          job.chat, job.stops)
     views: dict = {}
@@ -445,7 +450,7 @@ def _export_path(job: _Job, path: str) -> EngineManifest:
     if previous_row and pasts:
         views = {"layers": sorted(layer_of[p] for p in pasts), "window": window, "granule": 0}  # granule: validation
     manifest = replace(manifest, quantization=quantization, previous_row_attention=previous_row, window_views=views,
-                       grouped_attention=sorted(layer_of[p] for p in grouped))
+                       grouped_attention=sorted(layer_of[p] for p in grouped), lm_head=lm_head)
     save(manifest, dest)
     if opts.validate and opts.device == "cuda" and "cuda" not in available_providers():
         # A CUDA graph's fused ops (GroupQueryAttention with the Q/K norms folded in) have no CPU

@@ -240,6 +240,70 @@ def _matmul_parts(path: Path, name: str, ranges: list[tuple[int, int]]) -> int:
     return len(ranges)
 
 
+def expose_head(path: Path) -> dict:
+    """Let the runtime compute the LM head itself where the graph's is an 8-bit MatMulNBits over blocks
+    of 32 with the default zero point (a GGUF file's Q8_0 head), whole or in parts of one weight,
+    behind `logits_to_keep`: the hidden states it reads become a graph output too, and the return is
+    the manifest's `lm_head` (engines/lm_head.py; {} for any other head, the graph left as it was).
+    Only the graph file is rewritten: the record points into the weights file as it stands."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {i.name: i for i in g.initializer}
+    top = producer.get("logits")
+    parts = [producer.get(i) for i in top.input] if top is not None and top.op_type == "Concat" else [top]
+    if any(p is None or p.op_type != "MatMulNBits" or len(p.input) != 3 for p in parts):
+        return {}
+    sources, at = [], 0
+    for p in parts:
+        a = {t.name: helper.get_attribute_value(t) for t in p.attribute}
+        if a.get("bits") != 8 or a.get("block_size") != 32 or p.input[0] != parts[0].input[0]:
+            return {}
+        names, ranges = [], set()
+        for name in p.input[1:]:
+            cut = producer.get(name)
+            if name in inits:
+                names.append(name)
+                ranges.add((0, int(a["N"])))
+            elif cut is not None and cut.op_type == "Slice" and cut.input[0] in inits and len(cut.input) >= 3:
+                lo, hi = (int(numpy_helper.to_array(inits[i])[0]) for i in cut.input[1:3])
+                names.append(cut.input[0])
+                ranges.add((lo, hi))
+            else:
+                return {}
+        if ranges != {(at, at + int(a["N"]))}:
+            return {}
+        at += int(a["N"])
+        sources.append(tuple(names))
+    if len(set(sources)) != 1:
+        return {}
+    weight, scales = (inits[n] for n in sources[0])
+    rows, cols = int(weight.dims[0]), int(weight.dims[1]) * 32
+    if (at != rows or list(weight.dims) != [rows, cols // 32, 32] or weight.data_type != TensorProto.UINT8
+            or list(scales.dims) != [rows, cols // 32] or scales.data_type != TensorProto.FLOAT):
+        return {}
+    keep = producer.get(parts[0].input[0])
+    if keep is None or keep.name != "logits_to_keep.slice":
+        return {}  # without logits_to_keep the graph's head could not be skipped
+    where = []
+    for init in (weight, scales):
+        info = {e.key: e.value for e in init.external_data}
+        if init.data_location != TensorProto.EXTERNAL or "location" not in info:
+            return {}
+        where.append((info["location"], [int(info.get("offset", 0)), int(info["length"])]))
+    if where[0][0] != where[1][0]:
+        return {}
+    hidden = keep.input[0]
+    if not any(o.name == hidden for o in g.output):
+        g.output.append(helper.make_tensor_value_info(hidden, TensorProto.FLOAT, None))
+        save_graph(model, path)
+    return {"output": hidden, "rows": rows, "cols": cols, "file": where[0][0], "weight": where[0][1],
+            "scales": where[1][1]}
+
+
 def float32_logits(path: Path) -> bool:
     """Cast fp16 logits to float32 inside the graph (the model builder's fp16 and int4 graphs for CUDA
     give fp16 logits). Returns False when they are float32 already.

@@ -1,0 +1,280 @@
+"""The LM head's product computed outside ONNX Runtime, over the export's own 8-bit blocks.
+
+A target's head is most of a decoding step: Gemma-3-270M's is 262,144 x 640 weights, read whole for
+every token, so a step's time is mostly the bytes the head's kernel streams. ONNX Runtime's
+MatMulNBits streams a repacked copy with float32 scales and block sums, 40 bytes a block of 32
+weights; the C kernel here reads 36 (the bytes and a float32 scale), and its single-row product took
+0.80x MatMulNBits' time on an AMD EPYC with AVX-512 (benchmarks/head_gemv.py), at about the same time
+for the many rows of a verification forward.
+
+The blocks are repacked at load eight rows at a time (four values of eight rows in one VNNI
+instruction, as MatMulNBits repacks its own). Each row of activations is quantized to int8 per block
+of 32 (as MatMulNBits does at accuracy level 4), each block's dot product is exact in integers, and
+the blocks are summed in float32 in one fixed order. A logit is computed by the same instructions
+whatever else is computed beside it (how many rows, which thread), so a verification forward's
+logits are those of single steps, as speculative decoding needs (tests/test_lm_head.py).
+
+The kernel is compiled on first use by the system's C compiler ($CC, or cc) for this CPU, and kept
+in the cache folder ($EDGE_SD_CACHE, by default ~/.cache/edge-sd). It is used where the CPU has
+AVX-512 VNNI with 256-bit forms (where it was measured); elsewhere, or without a compiler, the
+graph's own head runs as before. EDGE_SD_LM_HEAD=0 turns it off; =1 uses it on any CPU (a portable
+C loop, for tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BLOCK = 32
+GROUP = 8  # weight rows repacked together
+ENV = "EDGE_SD_LM_HEAD"
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(EDGE_SD_PORTABLE)
+#include <immintrin.h>
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+int edge_sd_vnni(void) { return VNNI; }
+
+/* w [rows][kb][32] bytes, s [rows][kb] -> wp [rows/8][kb][8 groups of 4 values][8 rows][4 bytes],
+   sp [rows/8][kb][8 rows], for the row groups g0 <= g < g1 */
+void edge_sd_repack(const uint8_t *w, const float *s, long kb, uint8_t *wp, float *sp, long g0, long g1) {
+    for (long g = g0; g < g1; g++)
+        for (long b = 0; b < kb; b++)
+            for (int n = 0; n < 8; n++) {
+                const uint8_t *src = w + ((g * 8 + n) * kb + b) * 32;
+                uint8_t *dst = wp + (g * kb + b) * 256 + n * 4;
+                for (int j = 0; j < 8; j++) memcpy(dst + j * 32, src + j * 4, 4);
+                sp[(g * kb + b) * 8 + n] = s[(g * 8 + n) * kb + b];
+            }
+}
+
+/* x [m][k] -> xq [m][k] int8 and dx [m][kb], one scale a block of 32 (largest magnitude over 127,
+   rounded to nearest), and nsum [m][kb]: -128 times each block's sum, from which a dot product of
+   the stored bytes (weight + 128) gives that of the weights */
+void edge_sd_quantize(const float *x, long m, long k, int8_t *xq, float *dx, int32_t *nsum) {
+    long kb = k / 32;
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < kb; b++) {
+            const float *v = x + r * k + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = xq + r * k + b * 32;
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) {
+                float t = nearbyintf(v[i] * inv);
+                q[i] = (int8_t)(t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t));
+                sum += q[i];
+            }
+            dx[r * kb + b] = amax / 127.0f;
+            nsum[r * kb + b] = -128 * sum;
+        }
+}
+
+/* y[r * ldy + n] for the weight rows of groups g0 <= g < g1 and all m rows of activations. Per row
+   and block: the integer dot product, then times the weight's and the activation's scales, added to
+   one of two sums (even and odd blocks) in block order. */
+void edge_sd_rows(const uint8_t *wp, const float *sp, long kb, const int8_t *xq, const float *dx,
+                  const int32_t *nsum, long m, float *y, long ldy, long g0, long g1) {
+    for (long g = g0; g < g1; g++) {
+        const uint8_t *wg = wp + g * kb * 256;
+        const float *sg = sp + g * kb * 8;
+        for (long r = 0; r < m; r++) {
+            const int32_t *xr = (const int32_t *)(xq + r * kb * 32);
+#if VNNI
+            __m256 f0 = _mm256_setzero_ps(), f1 = f0;
+            for (long b = 0; b < kb; b++) {
+                const uint8_t *wb = wg + b * 256;
+                const int32_t *xb = xr + b * 8;
+                /* two chains of four: one of eight would wait on each instruction before it */
+                __m256i i0 = _mm256_set1_epi32(nsum[r * kb + b]), i1 = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j += 2) {
+                    i0 = _mm256_dpbusd_epi32(i0, _mm256_loadu_si256((const __m256i *)(wb + 32 * j)),
+                                             _mm256_set1_epi32(xb[j]));
+                    i1 = _mm256_dpbusd_epi32(i1, _mm256_loadu_si256((const __m256i *)(wb + 32 * j + 32)),
+                                             _mm256_set1_epi32(xb[j + 1]));
+                }
+                __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1));
+                __m256 f = _mm256_mul_ps(_mm256_loadu_ps(sg + b * 8), _mm256_set1_ps(dx[r * kb + b]));
+                if (b & 1) f1 = _mm256_fmadd_ps(v, f, f1); else f0 = _mm256_fmadd_ps(v, f, f0);
+            }
+            _mm256_storeu_ps(y + r * ldy + g * 8, _mm256_add_ps(f0, f1));
+#else
+            float f0[8] = {0}, f1[8] = {0};
+            for (long b = 0; b < kb; b++) {
+                const uint8_t *wb = wg + b * 256;
+                const int8_t *xb = (const int8_t *)(xr + b * 8);
+                float f = dx[r * kb + b];
+                for (int n = 0; n < 8; n++) {
+                    int32_t t = nsum[r * kb + b];
+                    for (int j = 0; j < 8; j++)
+                        for (int i = 0; i < 4; i++) t += (int32_t)wb[j * 32 + n * 4 + i] * xb[j * 4 + i];
+                    float *acc = (b & 1) ? f1 : f0;
+                    acc[n] += (float)t * (sg[b * 8 + n] * f);
+                }
+            }
+            for (int n = 0; n < 8; n++) y[r * ldy + g * 8 + n] = f0[n] + f1[n];
+#endif
+        }
+    }
+}
+"""
+
+_lock = threading.Lock()
+_built: dict[bool, tuple[Any, str]] = {}  # portable or not: the loaded kernel or None, and why there is none
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("EDGE_SD_CACHE") or Path.home() / ".cache" / "edge-sd")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def library(portable: bool = False) -> tuple[Any, str]:
+    """The compiled kernel (ctypes) and "", or None and why there is none. Built once per machine and
+    compiler, then loaded from the cache folder. portable: the plain C loop even where the CPU has
+    AVX-512 VNNI (tests)."""
+    with _lock:
+        if portable not in _built:
+            try:
+                _built[portable] = _build(portable), ""
+            except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+                _built[portable] = None, str(e)
+        return _built[portable]
+
+
+def _build(portable: bool) -> Any:
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc}) to build the LM head's kernel")
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", *(["-DEDGE_SD_PORTABLE"] if portable else [])]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\n".join([SOURCE, cc, *flags, version, platform.machine(), _cpu_flags()]).encode())
+    path = _cache_root() / "kernels" / key.hexdigest()[:16] / "libedge_sd_lm_head.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, out = Path(tmp) / "lm_head.c", Path(tmp) / path.name
+            src.write_text(SOURCE)
+            done = subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} could not build the LM head's kernel: {done.stderr.strip()[-300:]}")
+            out.replace(path)  # whole or not at all: another process finds a finished library or none
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_long
+    lib.edge_sd_repack.argtypes = [p, p, i, p, p, i, i]
+    lib.edge_sd_quantize.argtypes = [p, i, i, p, p, p]
+    lib.edge_sd_rows.argtypes = [p, p, i, p, p, p, i, p, i, i, i]
+    for fn in (lib.edge_sd_repack, lib.edge_sd_quantize, lib.edge_sd_rows):
+        fn.restype = None
+    lib.edge_sd_vnni.restype = ctypes.c_int
+    return lib
+
+
+def wanted() -> tuple[bool, str]:
+    """Whether engines compute their LM head here, and why not: EDGE_SD_LM_HEAD=0 never, =1 on any
+    CPU, unset where the kernel was built with AVX-512 VNNI."""
+    choice = os.environ.get(ENV, "").strip()
+    if choice == "0":
+        return False, f"{ENV}=0"
+    lib, why = library()
+    if lib is None:
+        return False, why
+    if choice != "1" and not lib.edge_sd_vnni():
+        return False, "this CPU has no AVX-512 VNNI"
+    return True, ""
+
+
+class LmHead:
+    """logits = hidden @ W^T for W in 8-bit blocks of 32: bytes [rows, cols] (each weight + 128) and
+    float32 scales [rows, cols / 32], computed by `threads` threads over ranges of rows (portable: by
+    the plain C loop, whatever the CPU)."""
+
+    def __init__(self, weight: np.ndarray, scales: np.ndarray, threads: int = 1, portable: bool = False):
+        lib, why = library(portable)
+        if lib is None:
+            raise RuntimeError(why)
+        rows, cols = weight.shape
+        if cols % BLOCK or rows % GROUP or scales.shape != (rows, cols // BLOCK):
+            raise ValueError(f"weights {weight.shape} and scales {scales.shape} are not blocks of {BLOCK} "
+                             f"in rows of a multiple of {GROUP}")
+        if weight.dtype != np.uint8 or scales.dtype != np.float32:
+            raise ValueError("the LM head's kernel takes uint8 weights and float32 scales")
+        self._lib = lib
+        self.rows, self.cols, self._kb = rows, cols, cols // BLOCK
+        groups = rows // GROUP
+        self.threads = max(1, min(threads, groups))
+        cuts = np.linspace(0, groups, self.threads + 1).astype(np.int64).tolist()
+        self._ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        weight, scales = np.ascontiguousarray(weight), np.ascontiguousarray(scales)
+        self._packed = np.empty(weight.size, dtype=np.uint8)
+        self._scales = np.empty(scales.size, dtype=np.float32)
+        self._parallel(lib.edge_sd_repack, (weight.ctypes.data, scales.ctypes.data, self._kb,
+                                            self._packed.ctypes.data, self._scales.ctypes.data))
+
+    def _parallel(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """fn(*args, g0, g1) over the row groups, a range a thread (ctypes lets go of the GIL)."""
+        pool = self._pool
+        waits = [pool.submit(fn, *(*args, lo, hi)) for lo, hi in self._ranges[1:]] if pool is not None else []
+        lo, hi = self._ranges[0]
+        fn(*args, lo, hi)
+        for w in waits:
+            w.result()
+
+    def __call__(self, hidden: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Logits [n, rows] of hidden [n, cols], into out (float32, rows contiguous) where given."""
+        x = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.cols)
+        m, kb = x.shape[0], self._kb
+        if out is None:
+            out = np.empty((m, self.rows), dtype=np.float32)
+        if out.shape != (m, self.rows) or out.dtype != np.float32 or out.strides[1] != 4:
+            raise ValueError(f"the logits of {m} rows go in a float32 array [{m}, {self.rows}]")
+        xq = np.empty((m, self.cols), dtype=np.int8)
+        dx = np.empty((m, kb), dtype=np.float32)
+        nsum = np.empty((m, kb), dtype=np.int32)
+        self._lib.edge_sd_quantize(x.ctypes.data, m, self.cols, xq.ctypes.data, dx.ctypes.data, nsum.ctypes.data)
+        self._parallel(self._lib.edge_sd_rows, (self._packed.ctypes.data, self._scales.ctypes.data, kb,
+                                                xq.ctypes.data, dx.ctypes.data, nsum.ctypes.data, m,
+                                                out.ctypes.data, out.strides[0] // 4))
+        return out
+
+
+def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
+    """The head an export recorded (manifest `lm_head`), its blocks read from the engine's weights file."""
+    rows, cols = int(spec["rows"]), int(spec["cols"])
+    data = folder / spec["file"]
+    (w_at, w_len), (s_at, s_len) = spec["weight"], spec["scales"]
+    if w_len != rows * cols or s_len != rows * (cols // BLOCK) * 4:
+        raise ValueError(f"{data}: the LM head's recorded sizes do not match {rows} x {cols}")
+    weight = np.memmap(data, dtype=np.uint8, mode="r", offset=w_at, shape=(rows, cols))
+    scales = np.memmap(data, dtype=np.float32, mode="r", offset=s_at, shape=(rows, cols // BLOCK))
+    head = LmHead(weight, scales, threads)
+    del weight, scales  # the file's pages are read once, into the repacked copy
+    return head
