@@ -107,3 +107,34 @@ def test_reread_drops_again_only_whole_stretches_outside_the_spans(
     again = [(o, o + n) for o, n, advice in calls[2:] if advice == large_pages.os.POSIX_FADV_DONTNEED]
     assert calls[:2] == [(0, 0, large_pages.os.POSIX_FADV_DONTNEED), (0, 0, large_pages.os.POSIX_FADV_SEQUENTIAL)]
     assert again == dropped
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise and /proc/self/smaps are Linux's")
+def test_release_unmaps_clean_pages_and_leaves_written_ones(tmp_path: Path) -> None:
+    """What the load read and no forward reads again stops counting (a mapping of a runtime cache's
+    data file is private and writable, as ONNX Runtime maps it); a mapping with pages of its own would
+    lose them, and is left alone. The bytes read back afterwards are the file's."""
+    import ctypes
+    import mmap
+
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(bytes(range(256)) * (16 << 12))  # 16 MiB
+    with open(data, "r+b") as f:
+        clean = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        written = mmap.mmap(f.fileno(), 8 << 20, access=mmap.ACCESS_COPY)
+    for m in (clean, written):
+        sum(m[i] for i in range(0, len(m), 4096))  # read every page
+    written[5] = 7  # one page copied on write
+
+    def held(m: mmap.mmap) -> int:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        text = Path("/proc/self/smaps").read_text()
+        at = text.index(f"{address:x}-")
+        return int(text[at:].split("Rss:", 1)[1].split()[0]) << 10
+
+    before = held(written)
+    assert held(clean) == 16 << 20 and before > 0
+    assert large_pages.release(data) == 16 << 20
+    assert held(clean) == 0 and held(written) == before
+    assert clean[:256] == bytes(range(256)) and clean[-1] == 255 and written[5] == 7
+    assert large_pages.release(tmp_path / "other") == 0

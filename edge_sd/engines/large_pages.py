@@ -141,3 +141,51 @@ def mark_of_no_use(data: Path, before: Residency, after: Residency | None) -> No
         (data.parent / MARKER).write_text(json.dumps(record) + "\n", encoding="utf-8")
     except OSError:
         pass
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release(path: Path, smaps: str | None = None) -> int:
+    """Unmap this process's resident pages of its mappings of `path` that hold no page of their own
+    (madvise MADV_DONTNEED): what a later access reads faults back in from the page cache, and what nothing
+    reads again stops counting against the process. A session loaded from the runtime cache has read
+    every prepacked weight once; where the runtime computes the LM head itself (engines/lm_head.py),
+    the graph's copy of the head would otherwise stay resident unread. Returns the bytes unmapped (0
+    where the kernel or libc does not offer it)."""
+    if platform.system() != "Linux":
+        return 0
+    if smaps is None:
+        try:
+            smaps = Path("/proc/self/smaps").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return 0
+    target = str(Path(path).resolve())
+    ranges: list[list[int]] = []  # address, length, bytes of its own (copied on write)
+    mapping: list[int] | None = None
+    for line in smaps.splitlines():
+        fields = line.split(maxsplit=5)
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # a header: address range, permissions, offset, device, inode, path
+            mapping = None
+            if len(fields) == 6 and fields[5].strip() == target:
+                start, _, end = fields[0].partition("-")
+                mapping = [int(start, 16), int(end, 16) - int(start, 16), -1]
+                ranges.append(mapping)
+        elif mapping is not None and fields[0] == "Anonymous:":
+            mapping[2] = int(fields[1]) << 10
+    # A mapping holding pages of its own (written to, copied on write) would lose them: left alone,
+    # as is one whose smaps does not say.
+    ranges = [r for r in ranges if r[2] == 0]
+    if not ranges:
+        return 0
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return sum(length for start, length, _ in ranges if madvise(start, length, MADV_DONTNEED) == 0)

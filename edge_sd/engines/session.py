@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edge_sd.engines import host_memory, lm_head, prepared
+from edge_sd.engines import host_memory, large_pages, lm_head, prepared
 from edge_sd.engines.consistency import BROKEN_RTOL
 from edge_sd.engines.consistency import check as check_consistency
 from edge_sd.engines.engine import _NP_DTYPES, OrtEngine
 from edge_sd.engines.providers import PROVIDERS, UNVERIFIED, resolve_providers, session_options, tensorrt_options
 from edge_sd.errors import ArtifactError, ProviderError, UsageError
+from edge_sd.layout import CACHE_DIR, DATA, ORT_DIR
 from edge_sd.manifest import KEEP_INPUT, EngineManifest, check_files, load_engine_manifest
 
 # A shared-buffer cache starts this large (positions) unless told otherwise, and grows by doubling;
@@ -142,6 +143,8 @@ class OrtSession:
         self.head = None
         if self._own_head and self.device == "cpu" and self.keeps_logits and m.lm_head["rows"] == m.logits_width:
             self.head = lm_head.from_engine(self.folder, m.lm_head, self._head_threads)
+            # The load read the graph's prepacked copy of the head, which no forward reads now.
+            large_pages.release(self.folder / CACHE_DIR / ORT_DIR / DATA)
         # min_step_positions was measured where the export validated the graph; on another provider
         # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
         # again here, in a few dozen forwards (engines/consistency.py).
