@@ -169,7 +169,7 @@ class Kernels:
         self.dll, self.kb = dll, HIDDEN // BLOCK
         self.w = rng.integers(0, 256, (VOCAB, HIDDEN), dtype=np.uint8)
         self.s = rng.uniform(1e-3, 1e-2, (VOCAB, self.kb)).astype(np.float32)
-        self.head = LmHead(self.w, self.s, threads=2)  # the runtime's own kernel
+        self.head = LmHead.of(self.w, self.s, threads=2)  # the runtime's own kernel
         self.pool = ThreadPoolExecutor(1)
 
     def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

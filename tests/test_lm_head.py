@@ -51,7 +51,7 @@ def test_products_equal_a_float64_reference(portable: bool) -> None:
     x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
     x[1, 32:64] = 0.0  # a block of zeros: its scale is 0
     x[2] *= 1e3
-    y = lm_head.LmHead(w, s, threads=2, portable=portable)(x)
+    y = lm_head.LmHead.of(w, s, threads=2, portable=portable)(x)
     ref = _reference(w, s, x)
     scale = np.abs(ref).max(axis=1, keepdims=True)
     worst = (np.abs(y - ref) / scale).max()
@@ -65,8 +65,8 @@ def test_each_row_is_computed_alike_whatever_is_beside_it(portable: bool) -> Non
     """A verification forward's rows must be what single steps give, bit for bit."""
     w, s = _head(8 * 50, 64, seed=2)
     x = np.random.default_rng(3).standard_normal((7, 64)).astype(np.float32)
-    together = lm_head.LmHead(w, s, threads=1, portable=portable)(x)
-    head = lm_head.LmHead(w, s, threads=3, portable=portable)
+    together = lm_head.LmHead.of(w, s, threads=1, portable=portable)(x)
+    head = lm_head.LmHead.of(w, s, threads=3, portable=portable)
     np.testing.assert_array_equal(head(x), together)
     for i in range(len(x)):
         np.testing.assert_array_equal(head(x[i : i + 1])[0], together[i])
@@ -78,13 +78,13 @@ def test_each_row_is_computed_alike_whatever_is_beside_it(portable: bool) -> Non
 def test_what_the_kernel_cannot_take_is_refused() -> None:
     w, s = _head(16, 64)
     with pytest.raises(ValueError, match="blocks of 32"):
-        lm_head.LmHead(w[:12], s[:12])
+        lm_head.LmHead.of(w[:12], s[:12])
     with pytest.raises(ValueError, match="blocks of 32"):
-        lm_head.LmHead(w[:, :48], s[:, :1])
+        lm_head.LmHead.of(w[:, :48], s[:, :1])
     with pytest.raises(ValueError, match="uint8"):
-        lm_head.LmHead(w.astype(np.int8), s)
+        lm_head.LmHead.of(w.astype(np.int8), s)
     with pytest.raises(ValueError, match="float32 array"):
-        lm_head.LmHead(w, s)(np.zeros((2, 64), np.float32), np.zeros((1, 16), np.float32))
+        lm_head.LmHead.of(w, s)(np.zeros((2, 64), np.float32), np.zeros((1, 16), np.float32))
 
 
 def test_the_environment_turns_it_off_and_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +124,10 @@ def test_a_gguf_target_computes_its_head_here_as_its_graph_does(gguf_root: Path,
     steps = [engine.forward(ids[i : i + 1]).copy() for i in range(30, 34)]
     engine.truncate(30)
     np.testing.assert_array_equal(engine.forward(ids[30:34], scratch=True), np.concatenate(steps))
+    # Read from the file in runs of rows (the last one shorter), the head is the same
+    monkeypatch.setattr(lm_head, "LOAD_ROWS", 24)
+    hidden = np.random.default_rng(4).standard_normal((3, m.lm_head["cols"])).astype(np.float32)
+    np.testing.assert_array_equal(lm_head.from_engine(folder, m.lm_head, 2)(hidden), own.head(hidden))
     # A record that points at other bytes is refused at load, not read as a head
     copy = tmp_path / "target"
     shutil.copytree(folder, copy)

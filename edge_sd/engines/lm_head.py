@@ -213,37 +213,59 @@ def wanted() -> tuple[bool, str]:
 
 class LmHead:
     """logits = hidden @ W^T for W in 8-bit blocks of 32: bytes [rows, cols] (each weight + 128) and
-    float32 scales [rows, cols / 32], computed by `threads` threads over ranges of rows (portable: by
-    the plain C loop, whatever the CPU)."""
+    float32 scales [rows, cols / 32], given in runs of rows (`load`, or `of` for whole arrays) and
+    computed by `threads` threads over ranges of rows (portable: by the plain C loop, whatever the
+    CPU)."""
 
-    def __init__(self, weight: np.ndarray, scales: np.ndarray, threads: int = 1, portable: bool = False):
+    def __init__(self, rows: int, cols: int, threads: int = 1, portable: bool = False):
         lib, why = library(portable)
         if lib is None:
             raise RuntimeError(why)
-        rows, cols = weight.shape
-        if cols % BLOCK or rows % GROUP or scales.shape != (rows, cols // BLOCK):
-            raise ValueError(f"weights {weight.shape} and scales {scales.shape} are not blocks of {BLOCK} "
-                             f"in rows of a multiple of {GROUP}")
-        if weight.dtype != np.uint8 or scales.dtype != np.float32:
-            raise ValueError("the LM head's kernel takes uint8 weights and float32 scales")
+        if cols % BLOCK or rows % GROUP or rows <= 0 or cols <= 0:
+            raise ValueError(f"a head of {rows} x {cols} is not blocks of {BLOCK} in rows of a multiple of {GROUP}")
         self._lib = lib
         self.rows, self.cols, self._kb = rows, cols, cols // BLOCK
         groups = rows // GROUP
         self.threads = max(1, min(threads, groups))
-        cuts = np.linspace(0, groups, self.threads + 1).astype(np.int64).tolist()
-        self._ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
+        self._ranges = self._cut(0, groups)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
-        weight, scales = np.ascontiguousarray(weight), np.ascontiguousarray(scales)
-        self._packed = np.empty(weight.size, dtype=np.uint8)
-        self._scales = np.empty(scales.size, dtype=np.float32)
-        self._parallel(lib.edge_sd_repack, (weight.ctypes.data, scales.ctypes.data, self._kb,
-                                            self._packed.ctypes.data, self._scales.ctypes.data))
+        self._packed = np.empty(rows * cols, dtype=np.uint8)
+        self._scales = np.empty(rows * self._kb, dtype=np.float32)
 
-    def _parallel(self, fn: Any, args: tuple[Any, ...]) -> None:
-        """fn(*args, g0, g1) over the row groups, a range a thread (ctypes lets go of the GIL)."""
+    @classmethod
+    def of(cls, weight: np.ndarray, scales: np.ndarray, threads: int = 1, portable: bool = False) -> LmHead:
+        """The head of whole arrays: weight [rows, cols] uint8, scales [rows, cols / 32] float32."""
+        rows, cols = weight.shape
+        head = cls(rows, cols, threads=threads, portable=portable)
+        head.load(weight, scales, 0)
+        return head
+
+    def load(self, weight: np.ndarray, scales: np.ndarray, first: int) -> None:
+        """Repack rows first.. (a multiple of 8 of them) from their bytes and scales."""
+        n = len(weight)
+        if (weight.shape != (n, self.cols) or scales.shape != (n, self._kb) or n % GROUP or first % GROUP
+                or first + n > self.rows):
+            raise ValueError(f"weights {weight.shape} and scales {scales.shape} at row {first} are not blocks of "
+                             f"{BLOCK} of this head's rows in runs of a multiple of {GROUP}")
+        if weight.dtype != np.uint8 or scales.dtype != np.float32:
+            raise ValueError("the LM head's kernel takes uint8 weights and float32 scales")
+        weight, scales = np.ascontiguousarray(weight), np.ascontiguousarray(scales)
+        self._parallel(self._lib.edge_sd_repack, (weight.ctypes.data, scales.ctypes.data, self._kb,
+                                                  self._packed[first * self.cols:].ctypes.data,
+                                                  self._scales[first * self._kb:].ctypes.data),
+                       self._cut(0, n // GROUP))  # groups counted from `first`: the pointers start there
+
+    def _cut(self, g0: int, g1: int) -> list[tuple[int, int]]:
+        cuts = np.linspace(g0, g1, self.threads + 1).astype(np.int64).tolist()
+        return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+    def _parallel(self, fn: Any, args: tuple[Any, ...], ranges: list[tuple[int, int]] | None = None) -> None:
+        """fn(*args, g0, g1) over ranges of row groups (by default all of them), a range a thread
+        (ctypes lets go of the GIL)."""
+        ranges = ranges or self._ranges
         pool = self._pool
-        waits = [pool.submit(fn, *(*args, lo, hi)) for lo, hi in self._ranges[1:]] if pool is not None else []
-        lo, hi = self._ranges[0]
+        waits = [pool.submit(fn, *(*args, lo, hi)) for lo, hi in ranges[1:]] if pool is not None else []
+        lo, hi = ranges[0]
         fn(*args, lo, hi)
         for w in waits:
             w.result()
@@ -266,6 +288,11 @@ class LmHead:
         return out
 
 
+# Rows read from the weights file at a time while the head is repacked: the file's bytes pass through a
+# buffer this size instead of being mapped whole beside the repacked copy (the load's peak of memory).
+LOAD_ROWS = 16384
+
+
 def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
     """The head an export recorded (manifest `lm_head`), its blocks read from the engine's weights file."""
     rows, cols = int(spec["rows"]), int(spec["cols"])
@@ -273,8 +300,16 @@ def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
     (w_at, w_len), (s_at, s_len) = spec["weight"], spec["scales"]
     if w_len != rows * cols or s_len != rows * (cols // BLOCK) * 4:
         raise ValueError(f"{data}: the LM head's recorded sizes do not match {rows} x {cols}")
-    weight = np.memmap(data, dtype=np.uint8, mode="r", offset=w_at, shape=(rows, cols))
-    scales = np.memmap(data, dtype=np.float32, mode="r", offset=s_at, shape=(rows, cols // BLOCK))
-    head = LmHead(weight, scales, threads)
-    del weight, scales  # the file's pages are read once, into the repacked copy
+    head = LmHead(rows, cols, threads)
+    step = min(rows, LOAD_ROWS)
+    weight = np.empty((step, cols), dtype=np.uint8)
+    scales = np.empty((step, cols // BLOCK), dtype=np.float32)
+    with open(data, "rb") as f:
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            for buffer, at in ((weight[:n], w_at + first * cols), (scales[:n], s_at + first * (cols // BLOCK) * 4)):
+                f.seek(at)
+                if f.readinto(buffer.reshape(-1).view(np.uint8).data) != buffer.nbytes:
+                    raise ValueError(f"{data} ends inside the LM head's blocks")
+            head.load(weight[:n], scales[:n], first)
     return head

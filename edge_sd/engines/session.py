@@ -142,9 +142,10 @@ class OrtSession:
         self.keeps_logits = KEEP_INPUT in inputs
         self.head = None
         if self._own_head and self.device == "cpu" and self.keeps_logits and m.lm_head["rows"] == m.logits_width:
-            self.head = lm_head.from_engine(self.folder, m.lm_head, self._head_threads)
-            # The load read the graph's prepacked copy of the head, which no forward reads now.
+            # The load read the graph's prepacked copy of the head, which no forward reads now: let
+            # go of it before the head's own copy is made, so that the two are never held together.
             large_pages.release(self.folder / CACHE_DIR / ORT_DIR / DATA)
+            self.head = lm_head.from_engine(self.folder, m.lm_head, self._head_threads)
         # min_step_positions was measured where the export validated the graph; on another provider
         # (a CPU export run on CUDA, a CUDA export not validated on a GPU) other kernels run: measured
         # again here, in a few dozen forwards (engines/consistency.py).
