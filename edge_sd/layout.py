@@ -3,8 +3,12 @@ the exporter writes them, the runtime reads them, and a host in another language
 
 A pair folder holds `pair.json`, the vocabulary maps and the optional fitted files beside a target
 and a drafter engine folder; an engine folder holds `engine.json`, the ONNX files and the tokenizer,
-and the runtime cache it writes on first load.
+and the runtime cache it writes on first load. Also here: where edge-sd keeps its own cache outside
+any artifact folder (`cache_dir`).
 """
+
+import os
+from pathlib import Path
 
 ENGINE_FILE = "engine.json"  # an engine's manifest
 PAIR_FILE = "pair.json"  # a pair's manifest
@@ -27,3 +31,10 @@ QUICK_FILE = "tokenizer.json"  # the tokenizer with its merges as strings, for a
 QUICK_PARTS = "tokenizer_parts.npz"  # or its vocabulary and merges as arrays, where strings cannot hold them
 QUICK_KEY = "tokenizer_key.json"  # which of the two, and the tokenizer file it was made from
 TRT_CACHE_DIR = "trt_cache"  # TensorRT's engine cache (GPU only)
+
+
+def cache_dir() -> Path:
+    """Where edge-sd keeps what it downloads or builds between runs, outside any artifact folder
+    (prompt sets, corpora, exported pairs, llama.cpp builds, the LM head's compiled kernel):
+    $EDGE_SD_CACHE, by default ~/.cache/edge-sd. The one place that knows it."""
+    return Path(os.environ.get("EDGE_SD_CACHE") or Path.home() / ".cache" / "edge-sd")

@@ -228,14 +228,23 @@ def test_an_lm_head_in_parts_computes_the_whole_heads_logits(gguf_root: Path, tm
     assert consistency.across_split(b, rng.integers(3, 500, size=consistency.SPLIT_IDS)) == 0.0
 
 
-def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path) -> None:
+@pytest.mark.parametrize("head", ["graph", "own"])
+def test_speculative_decoding_on_a_gguf_pair_equals_plain(gguf_root: Path, head: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under either LM head: the graph's, or the one the runtime computes (engines/lm_head.py; the
+    portable C loop where the CPU lacks AVX-512 VNNI)."""
     from edge_sd import GenerationConfig, Pipeline
+    from edge_sd.engines import lm_head
 
+    if head == "own" and lm_head.library()[0] is None:
+        pytest.skip(f"the LM head's kernel cannot be built here: {lm_head.library()[1]}")
+    monkeypatch.setenv(lm_head.ENV, "1" if head == "own" else "0")
     pipe = Pipeline.from_folder(gguf_root / "pair", provider="cpu", threads=2)
+    assert (pipe.target.session.head is not None) == (head == "own")
     accepted = 0
     for prompt in PROMPTS:
         plain = pipe.generate(prompt, GenerationConfig(algorithm="ar", max_new_tokens=24))
-        for algo in ("slem", "tli", "slrs", "auto"):
+        for algo in ("slem", "tli", "slrs", "lookup", "auto"):
             r = pipe.generate(prompt, GenerationConfig(algorithm=algo, lookahead=3, max_new_tokens=24))
             assert r.token_ids == plain.token_ids, (algo, prompt)
             accepted += r.stats.accepted

@@ -3,9 +3,8 @@
 A target's head is most of a decoding step: Gemma-3-270M's is 262,144 x 640 weights, read whole for
 every token, so a step's time is mostly the bytes the head's kernel streams. ONNX Runtime's
 MatMulNBits streams a repacked copy with float32 scales and block sums, 40 bytes a block of 32
-weights; the C kernel here reads 36 (the bytes and a float32 scale), and its single-row product took
-0.80x MatMulNBits' time on an AMD EPYC with AVX-512 (benchmarks/head_gemv.py), at about the same time
-for the many rows of a verification forward.
+weights; the C kernel here reads 36 (the bytes and a float32 scale), and was measured faster for one
+row and about as fast for the many rows of a verification forward (benchmarks/head_gemv.py).
 
 The blocks are repacked at load eight rows at a time (four values of eight rows in one VNNI
 instruction, as MatMulNBits repacks its own). Each row of activations is quantized to int8 per block
@@ -36,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from edge_sd.errors import ArtifactError
+from edge_sd.layout import cache_dir
 
 BLOCK = 32
 GROUP = 8  # weight rows repacked together
@@ -143,10 +145,6 @@ _lock = threading.Lock()
 _built: dict[bool, tuple[Any, str]] = {}  # portable or not: the loaded kernel or None, and why there is none
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("EDGE_SD_CACHE") or Path.home() / ".cache" / "edge-sd")
-
-
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -175,7 +173,7 @@ def _build(portable: bool) -> Any:
     flags = ["-O3", "-march=native", "-shared", "-fPIC", *(["-DEDGE_SD_PORTABLE"] if portable else [])]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\n".join([SOURCE, cc, *flags, version, platform.machine(), _cpu_flags()]).encode())
-    path = _cache_root() / "kernels" / key.hexdigest()[:16] / "libedge_sd_lm_head.so"
+    path = cache_dir() / "kernels" / key.hexdigest()[:16] / "libedge_sd_lm_head.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -299,7 +297,7 @@ def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
     data = folder / spec["file"]
     (w_at, w_len), (s_at, s_len) = spec["weight"], spec["scales"]
     if w_len != rows * cols or s_len != rows * (cols // BLOCK) * 4:
-        raise ValueError(f"{data}: the LM head's recorded sizes do not match {rows} x {cols}")
+        raise ArtifactError(f"{data}: the LM head's recorded sizes do not match {rows} x {cols}")
     head = LmHead(rows, cols, threads)
     step = min(rows, LOAD_ROWS)
     weight = np.empty((step, cols), dtype=np.uint8)
@@ -310,6 +308,6 @@ def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
             for buffer, at in ((weight[:n], w_at + first * cols), (scales[:n], s_at + first * (cols // BLOCK) * 4)):
                 f.seek(at)
                 if f.readinto(buffer.reshape(-1).view(np.uint8).data) != buffer.nbytes:
-                    raise ValueError(f"{data} ends inside the LM head's blocks")
+                    raise ArtifactError(f"{data} ends inside the LM head's blocks")
             head.load(weight[:n], scales[:n], first)
     return head

@@ -1,11 +1,8 @@
-"""Where edge-sd keeps what it downloads or builds between runs (prompt sets, corpora, exported pairs,
-llama.cpp builds): $EDGE_SD_CACHE, by default ~/.cache/edge-sd. The one place that knows it."""
+"""Where edge-sd keeps what it downloads or builds between runs: `cache_dir`, defined beside the
+runtime's other names of places (edge_sd/layout.py) and imported from here by the tools."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from edge_sd.layout import cache_dir
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGE_SD_CACHE") or Path.home() / ".cache" / "edge-sd")
+__all__ = ["cache_dir"]
