@@ -168,7 +168,8 @@ class Kernels:
         rng = np.random.default_rng(seed)
         self.dll, self.kb = dll, HIDDEN // BLOCK
         self.w = rng.integers(0, 256, (VOCAB, HIDDEN), dtype=np.uint8)
-        self.s = rng.uniform(1e-3, 1e-2, (VOCAB, self.kb)).astype(np.float32)
+        # scales that halves hold, as a GGUF file's Q8_0 blocks carry them
+        self.s = rng.uniform(1e-3, 1e-2, (VOCAB, self.kb)).astype(np.float16).astype(np.float32)
         self.head = LmHead.of(self.w, self.s, threads=2)  # the runtime's own kernel
         self.pool = ThreadPoolExecutor(1)
 

@@ -126,8 +126,9 @@ class EngineManifest:
     # An 8-bit LM head (blocks of 32, no zero points) that the runtime may compute itself
     # (engines/lm_head.py): {"output": the graph output holding the hidden states the head reads,
     # "rows", "cols", "file": the weights file, "weight": [offset, bytes] of its blocks [rows, cols]
-    # (each weight + 128), "scales": [offset, bytes] of its float32 scales [rows, cols / 32]}. The
-    # graph still computes the head for apps that read `logits`. Empty: none.
+    # (each weight + 128), "scales": [offset, bytes] of its float32 scales [rows, cols / 32], each a
+    # value a float16 holds}. The graph still computes the head for apps that read `logits`. Empty:
+    # none.
     lm_head: dict[str, Any] = field(default_factory=dict)
 
     @property

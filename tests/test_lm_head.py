@@ -25,8 +25,8 @@ def _paths() -> list:
 
 def _head(rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (rows, cols), dtype=np.uint8),
-            rng.uniform(1e-3, 2e-2, (rows, cols // 32)).astype(np.float32))
+    return (rng.integers(0, 256, (rows, cols), dtype=np.uint8),  # scales that halves hold, as GGUF's
+            rng.uniform(1e-3, 2e-2, (rows, cols // 32)).astype(np.float16).astype(np.float32))
 
 
 def _reference(w: np.ndarray, s: np.ndarray, x: np.ndarray, shift_scales: int = 0) -> np.ndarray:
@@ -82,6 +82,8 @@ def test_what_the_kernel_cannot_take_is_refused() -> None:
         lm_head.LmHead.of(w[:, :48], s[:, :1])
     with pytest.raises(ValueError, match="uint8"):
         lm_head.LmHead.of(w.astype(np.int8), s)
+    with pytest.raises(ValueError, match="halves"):
+        lm_head.LmHead.of(w, s + np.float32(1e-7))
     with pytest.raises(ValueError, match="float32 array"):
         lm_head.LmHead.of(w, s)(np.zeros((2, 64), np.float32), np.zeros((1, 16), np.float32))
 

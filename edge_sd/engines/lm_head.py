@@ -3,7 +3,8 @@
 A target's head is most of a decoding step: Gemma-3-270M's is 262,144 x 640 weights, read whole for
 every token, so a step's time is mostly the bytes the head's kernel streams. ONNX Runtime's
 MatMulNBits streams a repacked copy with float32 scales and block sums, 40 bytes a block of 32
-weights; the C kernel here reads 36 (the bytes and a float32 scale), and was measured faster for one
+weights; the C kernel here reads 34, as the GGUF file holds them (the bytes and a float16 scale,
+exactly the file's), and was measured faster for one
 row and about as fast for the many rows of a verification forward (benchmarks/head_gemv.py).
 
 The blocks are repacked at load eight rows at a time (four values of eight rows in one VNNI
@@ -56,9 +57,22 @@ SOURCE = r"""
 
 int edge_sd_vnni(void) { return VNNI; }
 
-/* w [rows][kb][32] bytes, s [rows][kb] -> wp [rows/8][kb][8 groups of 4 values][8 rows][4 bytes],
+/* an IEEE half's value */
+static inline float half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        float v = ldexpf((float)m, -24); /* zero or subnormal */
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* w [rows][kb][32] bytes, s [rows][kb] halves -> wp [rows/8][kb][8 groups of 4 values][8 rows][4 bytes],
    sp [rows/8][kb][8 rows], for the row groups g0 <= g < g1 */
-void edge_sd_repack(const uint8_t *w, const float *s, long kb, uint8_t *wp, float *sp, long g0, long g1) {
+void edge_sd_repack(const uint8_t *w, const uint16_t *s, long kb, uint8_t *wp, uint16_t *sp, long g0, long g1) {
     for (long g = g0; g < g1; g++)
         for (long b = 0; b < kb; b++)
             for (int n = 0; n < 8; n++) {
@@ -95,11 +109,11 @@ void edge_sd_quantize(const float *x, long m, long k, int8_t *xq, float *dx, int
 /* y[r * ldy + n] for the weight rows of groups g0 <= g < g1 and all m rows of activations. Per row
    and block: the integer dot product, then times the weight's and the activation's scales, added to
    one of two sums (even and odd blocks) in block order. */
-void edge_sd_rows(const uint8_t *wp, const float *sp, long kb, const int8_t *xq, const float *dx,
+void edge_sd_rows(const uint8_t *wp, const uint16_t *sp, long kb, const int8_t *xq, const float *dx,
                   const int32_t *nsum, long m, float *y, long ldy, long g0, long g1) {
     for (long g = g0; g < g1; g++) {
         const uint8_t *wg = wp + g * kb * 256;
-        const float *sg = sp + g * kb * 8;
+        const uint16_t *sg = sp + g * kb * 8;
         for (long r = 0; r < m; r++) {
             const int32_t *xr = (const int32_t *)(xq + r * kb * 32);
 #if VNNI
@@ -116,7 +130,8 @@ void edge_sd_rows(const uint8_t *wp, const float *sp, long kb, const int8_t *xq,
                                              _mm256_set1_epi32(xb[j + 1]));
                 }
                 __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1));
-                __m256 f = _mm256_mul_ps(_mm256_loadu_ps(sg + b * 8), _mm256_set1_ps(dx[r * kb + b]));
+                __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + b * 8))),
+                                         _mm256_set1_ps(dx[r * kb + b]));
                 if (b & 1) f1 = _mm256_fmadd_ps(v, f, f1); else f0 = _mm256_fmadd_ps(v, f, f0);
             }
             _mm256_storeu_ps(y + r * ldy + g * 8, _mm256_add_ps(f0, f1));
@@ -131,7 +146,7 @@ void edge_sd_rows(const uint8_t *wp, const float *sp, long kb, const int8_t *xq,
                     for (int j = 0; j < 8; j++)
                         for (int i = 0; i < 4; i++) t += (int32_t)wb[j * 32 + n * 4 + i] * xb[j * 4 + i];
                     float *acc = (b & 1) ? f1 : f0;
-                    acc[n] += (float)t * (sg[b * 8 + n] * f);
+                    acc[n] += (float)t * (half(sg[b * 8 + n]) * f);
                 }
             }
             for (int n = 0; n < 8; n++) y[r * ldy + g * 8 + n] = f0[n] + f1[n];
@@ -211,9 +226,9 @@ def wanted() -> tuple[bool, str]:
 
 class LmHead:
     """logits = hidden @ W^T for W in 8-bit blocks of 32: bytes [rows, cols] (each weight + 128) and
-    float32 scales [rows, cols / 32], given in runs of rows (`load`, or `of` for whole arrays) and
-    computed by `threads` threads over ranges of rows (portable: by the plain C loop, whatever the
-    CPU)."""
+    scales [rows, cols / 32] (float32 values a float16 holds exactly), given in runs of rows (`load`,
+    or `of` for whole arrays) and computed by `threads` threads over ranges of rows (portable: by the
+    plain C loop, whatever the CPU)."""
 
     def __init__(self, rows: int, cols: int, threads: int = 1, portable: bool = False):
         lib, why = library(portable)
@@ -228,7 +243,7 @@ class LmHead:
         self._ranges = self._cut(0, groups)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
         self._packed = np.empty(rows * cols, dtype=np.uint8)
-        self._scales = np.empty(rows * self._kb, dtype=np.float32)
+        self._scales = np.empty(rows * self._kb, dtype=np.float16)
 
     @classmethod
     def of(cls, weight: np.ndarray, scales: np.ndarray, threads: int = 1, portable: bool = False) -> LmHead:
@@ -239,7 +254,9 @@ class LmHead:
         return head
 
     def load(self, weight: np.ndarray, scales: np.ndarray, first: int) -> None:
-        """Repack rows first.. (a multiple of 8 of them) from their bytes and scales."""
+        """Repack rows first.. (a multiple of 8 of them) from their bytes and scales. The scales are
+        kept as halves, which a GGUF file's blocks carry (34 bytes a block of 32 then, not 36); a
+        scale a half cannot hold is refused."""
         n = len(weight)
         if (weight.shape != (n, self.cols) or scales.shape != (n, self._kb) or n % GROUP or first % GROUP
                 or first + n > self.rows):
@@ -247,8 +264,11 @@ class LmHead:
                              f"{BLOCK} of this head's rows in runs of a multiple of {GROUP}")
         if weight.dtype != np.uint8 or scales.dtype != np.float32:
             raise ValueError("the LM head's kernel takes uint8 weights and float32 scales")
-        weight, scales = np.ascontiguousarray(weight), np.ascontiguousarray(scales)
-        self._parallel(self._lib.edge_sd_repack, (weight.ctypes.data, scales.ctypes.data, self._kb,
+        halves = scales.astype(np.float16)
+        if not np.array_equal(halves.astype(np.float32), scales):
+            raise ValueError("the LM head's kernel takes scales that are halves (float16) exactly")
+        weight = np.ascontiguousarray(weight)
+        self._parallel(self._lib.edge_sd_repack, (weight.ctypes.data, halves.ctypes.data, self._kb,
                                                   self._packed[first * self.cols:].ctypes.data,
                                                   self._scales[first * self._kb:].ctypes.data),
                        self._cut(0, n // GROUP))  # groups counted from `first`: the pointers start there
@@ -309,5 +329,8 @@ def from_engine(folder: Path, spec: dict[str, Any], threads: int) -> LmHead:
                 f.seek(at)
                 if f.readinto(buffer.reshape(-1).view(np.uint8).data) != buffer.nbytes:
                     raise ArtifactError(f"{data} ends inside the LM head's blocks")
-            head.load(weight[:n], scales[:n], first)
+            try:
+                head.load(weight[:n], scales[:n], first)
+            except ValueError as e:
+                raise ArtifactError(f"{data}: {e}") from None
     return head

@@ -242,7 +242,8 @@ def _matmul_parts(path: Path, name: str, ranges: list[tuple[int, int]]) -> int:
 
 def expose_head(path: Path) -> dict:
     """Let the runtime compute the LM head itself where the graph's is an 8-bit MatMulNBits over blocks
-    of 32 with the default zero point (a GGUF file's Q8_0 head), whole or in parts of one weight,
+    of 32 with the default zero point and scales that halves hold (a GGUF file's Q8_0 head), whole or
+    in parts of one weight,
     behind `logits_to_keep`: the hidden states it reads become a graph output too, and the return is
     the manifest's `lm_head` (engines/lm_head.py; {} for any other head, the graph left as it was).
     Only the graph file is rewritten: the record points into the weights file as it stands."""
@@ -296,6 +297,10 @@ def expose_head(path: Path) -> dict:
         where.append((info["location"], [int(info.get("offset", 0)), int(info["length"])]))
     if where[0][0] != where[1][0]:
         return {}
+    offset, length = where[1][1]
+    values = np.fromfile(path.parent / where[1][0], dtype=np.float32, count=length // 4, offset=offset)
+    if not np.array_equal(values.astype(np.float16).astype(np.float32), values):
+        return {}  # the runtime's kernel keeps scales as halves, as GGUF blocks carry them
     hidden = keep.input[0]
     if not any(o.name == hidden for o in g.output):
         g.output.append(helper.make_tensor_value_info(hidden, TensorProto.FLOAT, None))
