@@ -243,10 +243,10 @@ def _matmul_parts(path: Path, name: str, ranges: list[tuple[int, int]]) -> int:
 def expose_head(path: Path) -> dict:
     """Let the runtime compute the LM head itself where the graph's is an 8-bit MatMulNBits over blocks
     of 32 with the default zero point and scales that halves hold (a GGUF file's Q8_0 head), whole or
-    in parts of one weight,
-    behind `logits_to_keep`: the hidden states it reads become a graph output too, and the return is
-    the manifest's `lm_head` (engines/lm_head.py; {} for any other head, the graph left as it was).
-    Only the graph file is rewritten: the record points into the weights file as it stands."""
+    in parts of one weight, behind `logits_to_keep`: the hidden states it reads become a graph output
+    too, and the return is the manifest's `lm_head` (engines/lm_head.py; {} for any other head, the
+    graph left as it was). Only the graph file is rewritten: the record points into the weights file
+    as it stands."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
