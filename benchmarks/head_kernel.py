@@ -34,7 +34,7 @@ STREAM_BYTES = 400 << 20
 
 def head_session(bits: int, threads: int, spin: str = "always"):
     """A session of the head's shape: PARTS MatMulNBits nodes over the vocabulary, concatenated, for any
-    number of rows (spin: OrtSession's; "run" where other threads run between the session's runs)."""
+    number of rows (spin as engines/session.py takes it; "run" where other threads work between runs)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
