@@ -12,7 +12,8 @@ level 4, take each block's dot product in integers, and sum the blocks in float3
   128, a float32 scale a block), four weight rows' blocks prefetched ahead, two activation rows a
   pass;
 - repacked: the runtime's own (edge_sd/engines/lm_head.py), over blocks repacked eight weight rows
-  at a time (four values of eight rows an instruction), as ONNX Runtime repacks its own.
+  at a time (four values of eight rows an instruction), as ONNX Runtime repacks its own, four such
+  groups side by side, up to three activation rows a pass.
 
 Each computes a row's logits by the same instructions whatever the row count, as verification
 needs. Both are checked against a float64 product of the same int8 activations, then timed with

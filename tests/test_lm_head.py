@@ -46,7 +46,7 @@ def _reference(w: np.ndarray, s: np.ndarray, x: np.ndarray, shift_scales: int = 
 
 @pytest.mark.parametrize("portable", _paths())
 def test_products_equal_a_float64_reference(portable: bool) -> None:
-    w, s = _head(8 * 37, 96)  # 3 blocks a row: an odd count, both sums used
+    w, s = _head(8 * 37, 96)  # 37 groups of rows: nine tiles of four and one alone
     x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32)
     x[1, 32:64] = 0.0  # a block of zeros: its scale is 0
     x[2] *= 1e3
@@ -72,6 +72,19 @@ def test_each_row_is_computed_alike_whatever_is_beside_it(portable: bool) -> Non
     out = np.zeros((2, 8 * 50), np.float32)
     assert head(x[2:4], out) is out
     np.testing.assert_array_equal(out, together[2:4])
+
+
+@pytest.mark.skipif(no_compiler or not lm_head.library()[0].edge_sd_vnni(), reason="this CPU has no AVX-512 VNNI")
+def test_the_portable_loop_computes_what_the_vnni_one_does() -> None:
+    """The same float operations in both paths: a CPU without VNNI gets the same logits, bit for bit,
+    from every tile (four groups or the last one alone, one to three rows) and thread count."""
+    w, s = _head(8 * 37, 160, seed=5)
+    x = np.random.default_rng(6).standard_normal((8, 160)).astype(np.float32)
+    portable = lm_head.LmHead.of(w, s, threads=1, portable=True)
+    for threads in (1, 2, 5):
+        vnni = lm_head.LmHead.of(w, s, threads=threads)
+        for m in (1, 2, 3, 4, 8):
+            np.testing.assert_array_equal(vnni(x[:m]), portable(x[:m]))
 
 
 def test_what_the_kernel_cannot_take_is_refused() -> None:

@@ -4,14 +4,16 @@ A target's head is most of a decoding step: Gemma-3-270M's is 262,144 x 640 weig
 every token, so a step's time is mostly the bytes the head's kernel streams. ONNX Runtime's
 MatMulNBits streams a repacked copy with float32 scales and block sums, 40 bytes a block of 32
 weights; the C kernel here reads 34, as the GGUF file holds them (the bytes and a float16 scale,
-exactly the file's), and was measured faster for one
-row and about as fast for the many rows of a verification forward (benchmarks/head_gemv.py).
+exactly the file's). It was measured about as fast as MatMulNBits for one row and faster for the
+several rows of a verification forward (benchmarks/head_gemv.py).
 
 The blocks are repacked at load eight rows at a time (four values of eight rows in one VNNI
-instruction, as MatMulNBits repacks its own). Each row of activations is quantized to int8 per block
-of 32 (as MatMulNBits does at accuracy level 4), each block's dot product is exact in integers, and
-the blocks are summed in float32 in one fixed order. A logit is computed by the same instructions
-whatever else is computed beside it (how many rows, which thread), so a verification forward's
+instruction, as MatMulNBits repacks its own), four such groups side by side: a tile of four groups
+and up to three rows of activations reads its weights once for all three rows. Each row of
+activations is quantized to int8 per block of 32 (as MatMulNBits does at accuracy level 4), each
+block's dot product is exact in integers, and the blocks are summed in float32 in one fixed order,
+by the same operations in the VNNI and the portable path. A logit is thus computed alike whatever
+else is computed beside it (how many rows, which tile or thread), so a verification forward's
 logits are those of single steps, as speculative decoding needs (tests/test_lm_head.py).
 
 The kernel is compiled on first use by the system's C compiler ($CC, or cc) for this CPU, and kept
@@ -70,16 +72,23 @@ static inline float half(uint16_t h) {
     return f;
 }
 
-/* w [rows][kb][32] bytes, s [rows][kb] halves -> wp [rows/8][kb][8 groups of 4 values][8 rows][4 bytes],
-   sp [rows/8][kb][8 rows], for the row groups g0 <= g < g1 */
-void edge_sd_repack(const uint8_t *w, const uint16_t *s, long kb, uint8_t *wp, uint16_t *sp, long g0, long g1) {
+/* Where group g's (8 weight rows') block b starts. The blocks of four groups share 1024 bytes, block
+   after block, so that a tile of four groups reads one stream. In them, group g's j-th 32 bytes (four
+   values of each of its eight rows) lie at j * 128 + (g & 3) * 32: the four groups' j-th loads are
+   adjacent (256 bytes apart, they met in the same cache banks and ran slower). */
+static inline long at(long g, long b, long kb) { return ((g >> 2) * kb + b) * 1024 + (g & 3) * 32; }
+
+/* w [n][kb][32] bytes and s [n][kb] halves, the head's rows from first * 8 on -> wp (laid out as `at`
+   says) and sp [rows/8][kb][8 rows], for the row groups first + g0 <= g < first + g1 */
+void edge_sd_repack(const uint8_t *w, const uint16_t *s, long kb, uint8_t *wp, uint16_t *sp, long first,
+                    long g0, long g1) {
     for (long g = g0; g < g1; g++)
         for (long b = 0; b < kb; b++)
             for (int n = 0; n < 8; n++) {
                 const uint8_t *src = w + ((g * 8 + n) * kb + b) * 32;
-                uint8_t *dst = wp + (g * kb + b) * 256 + n * 4;
-                for (int j = 0; j < 8; j++) memcpy(dst + j * 32, src + j * 4, 4);
-                sp[(g * kb + b) * 8 + n] = s[(g * 8 + n) * kb + b];
+                uint8_t *dst = wp + at(first + g, b, kb) + n * 4;
+                for (int j = 0; j < 8; j++) memcpy(dst + j * 128, src + j * 4, 4);
+                sp[((first + g) * kb + b) * 8 + n] = s[(g * 8 + n) * kb + b];
             }
 }
 
@@ -106,53 +115,103 @@ void edge_sd_quantize(const float *x, long m, long k, int8_t *xq, float *dx, int
         }
 }
 
+#if VNNI
+/* Weight groups g.. g + NG (NG 1 or 4) against activation rows r.. r + NR (NR <= 3), over all blocks.
+   For each group and row the float operations are those of that pair alone, in block order (integer
+   sums are exact in any order), so a logit does not depend on the tile it was computed in. A tile
+   lets one load of weights serve NR rows and keeps NG x NR chains of VNNI instructions in flight (one
+   row: two a group). `ahead`, where not null, is fetched into the second-level cache block by block:
+   the next four groups' weights, read from memory while these are computed. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *wp, const uint16_t *sp, long kb,
+        const int8_t *xq, const float *dx, const int32_t *nsum, float *y, long ldy, long g, long r,
+        const uint8_t *ahead, const int NG, const int NR) {
+    __m256 f[4][3];
+    for (int a = 0; a < NG; a++)
+        for (int c = 0; c < NR; c++) f[a][c] = _mm256_setzero_ps();
+    for (long b = 0; b < kb; b++) {
+        const uint8_t *wb = wp + at(g, b, kb);
+        if (ahead)
+            for (int i = 0; i < 1024; i += 64) _mm_prefetch((const char *)(ahead + b * 1024 + i), _MM_HINT_T1);
+        __m256i acc[4][3], odd[4];
+        for (int c = 0; c < NR; c++) {
+            __m256i start = _mm256_set1_epi32(nsum[(r + c) * kb + b]);
+            for (int a = 0; a < NG; a++) acc[a][c] = start;
+        }
+        for (int a = 0; a < NG; a++) odd[a] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i w[4];
+            for (int a = 0; a < NG; a++) w[a] = _mm256_loadu_si256((const __m256i *)(wb + a * 32 + 128 * j));
+            for (int c = 0; c < NR; c++) {
+                __m256i x = _mm256_set1_epi32(((const int32_t *)(xq + (r + c) * kb * 32))[b * 8 + j]);
+                for (int a = 0; a < NG; a++) {
+                    if (NR == 1 && (j & 1)) odd[a] = _mm256_dpbusd_epi32(odd[a], w[a], x);
+                    else acc[a][c] = _mm256_dpbusd_epi32(acc[a][c], w[a], x);
+                }
+            }
+        }
+        for (int a = 0; a < NG; a++) {
+            __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + ((g + a) * kb + b) * 8)));
+            for (int c = 0; c < NR; c++) {
+                __m256i t = NR == 1 ? _mm256_add_epi32(acc[a][c], odd[a]) : acc[a][c];
+                __m256 scale = _mm256_mul_ps(sc, _mm256_set1_ps(dx[(r + c) * kb + b]));
+                f[a][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, f[a][c]);
+            }
+        }
+    }
+    for (int a = 0; a < NG; a++)
+        for (int c = 0; c < NR; c++)
+            _mm256_storeu_ps(y + (r + c) * ldy + (g + a) * 8, f[a][c]);
+}
+#endif
+
 /* y[r * ldy + n] for the weight rows of groups g0 <= g < g1 and all m rows of activations. Per row
-   and block: the integer dot product, then times the weight's and the activation's scales, added to
-   one of two sums (even and odd blocks) in block order. */
+   and block: the integer dot product, times the weight's and the activation's scales, added to the
+   row's sum in block order (one fused multiply-add a block, in both paths alike). */
 void edge_sd_rows(const uint8_t *wp, const uint16_t *sp, long kb, const int8_t *xq, const float *dx,
                   const int32_t *nsum, long m, float *y, long ldy, long g0, long g1) {
+#if VNNI
+    for (long g = g0; g < g1;) {
+        int ng = (g & 3) == 0 && g + 4 <= g1 ? 4 : 1;
+        /* Where these groups take several passes (more than three rows), the first fetches the next
+           four groups' weights; in a single pass the hardware's own prefetching was faster. */
+        const uint8_t *ahead = m > 3 && ng == 4 && g + 8 <= g1 ? wp + at(g + 4, 0, kb) : 0;
+        for (long r = 0; r < m;) {
+            long nr = m - r >= 3 ? 3 : m - r;
+            const uint8_t *pre = r ? 0 : ahead;
+            if (ng == 4) {
+                if (nr == 3) tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, pre, 4, 3);
+                else if (nr == 2) tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, pre, 4, 2);
+                else tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, pre, 4, 1);
+            } else {
+                if (nr == 3) tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, 0, 1, 3);
+                else if (nr == 2) tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, 0, 1, 2);
+                else tile(wp, sp, kb, xq, dx, nsum, y, ldy, g, r, 0, 1, 1);
+            }
+            r += nr;
+        }
+        g += ng;
+    }
+#else
     for (long g = g0; g < g1; g++) {
-        const uint8_t *wg = wp + g * kb * 256;
         const uint16_t *sg = sp + g * kb * 8;
         for (long r = 0; r < m; r++) {
             const int32_t *xr = (const int32_t *)(xq + r * kb * 32);
-#if VNNI
-            __m256 f0 = _mm256_setzero_ps(), f1 = f0;
+            float acc[8] = {0};
             for (long b = 0; b < kb; b++) {
-                const uint8_t *wb = wg + b * 256;
-                const int32_t *xb = xr + b * 8;
-                /* two chains of four: one of eight would wait on each instruction before it */
-                __m256i i0 = _mm256_set1_epi32(nsum[r * kb + b]), i1 = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    i0 = _mm256_dpbusd_epi32(i0, _mm256_loadu_si256((const __m256i *)(wb + 32 * j)),
-                                             _mm256_set1_epi32(xb[j]));
-                    i1 = _mm256_dpbusd_epi32(i1, _mm256_loadu_si256((const __m256i *)(wb + 32 * j + 32)),
-                                             _mm256_set1_epi32(xb[j + 1]));
-                }
-                __m256 v = _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1));
-                __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + b * 8))),
-                                         _mm256_set1_ps(dx[r * kb + b]));
-                if (b & 1) f1 = _mm256_fmadd_ps(v, f, f1); else f0 = _mm256_fmadd_ps(v, f, f0);
-            }
-            _mm256_storeu_ps(y + r * ldy + g * 8, _mm256_add_ps(f0, f1));
-#else
-            float f0[8] = {0}, f1[8] = {0};
-            for (long b = 0; b < kb; b++) {
-                const uint8_t *wb = wg + b * 256;
+                const uint8_t *wb = wp + at(g, b, kb);
                 const int8_t *xb = (const int8_t *)(xr + b * 8);
                 float f = dx[r * kb + b];
                 for (int n = 0; n < 8; n++) {
                     int32_t t = nsum[r * kb + b];
                     for (int j = 0; j < 8; j++)
-                        for (int i = 0; i < 4; i++) t += (int32_t)wb[j * 32 + n * 4 + i] * xb[j * 4 + i];
-                    float *acc = (b & 1) ? f1 : f0;
-                    acc[n] += (float)t * (half(sg[b * 8 + n]) * f);
+                        for (int i = 0; i < 4; i++) t += (int32_t)wb[j * 128 + n * 4 + i] * xb[j * 4 + i];
+                    acc[n] = fmaf((float)t, half(sg[b * 8 + n]) * f, acc[n]);
                 }
             }
-            for (int n = 0; n < 8; n++) y[r * ldy + g * 8 + n] = f0[n] + f1[n];
-#endif
+            for (int n = 0; n < 8; n++) y[r * ldy + g * 8 + n] = acc[n];
         }
     }
+#endif
 }
 """
 
@@ -201,7 +260,7 @@ def _build(portable: bool) -> Any:
             out.replace(path)  # whole or not at all: another process finds a finished library or none
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_long
-    lib.edge_sd_repack.argtypes = [p, p, i, p, p, i, i]
+    lib.edge_sd_repack.argtypes = [p, p, i, p, p, i, i, i]
     lib.edge_sd_quantize.argtypes = [p, i, i, p, p, p]
     lib.edge_sd_rows.argtypes = [p, p, i, p, p, p, i, p, i, i, i]
     for fn in (lib.edge_sd_repack, lib.edge_sd_quantize, lib.edge_sd_rows):
@@ -242,7 +301,8 @@ class LmHead:
         self.threads = max(1, min(threads, groups))
         self._ranges = self._cut(0, groups)
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
-        self._packed = np.empty(rows * cols, dtype=np.uint8)
+        # four groups' blocks side by side (the kernel's `at`): room for whole fours of groups
+        self._packed = np.empty(-(-groups // 4) * 4 * GROUP * cols, dtype=np.uint8)
         self._scales = np.empty(rows * self._kb, dtype=np.float16)
 
     @classmethod
@@ -269,12 +329,12 @@ class LmHead:
             raise ValueError("the LM head's kernel takes scales that are halves (float16) exactly")
         weight = np.ascontiguousarray(weight)
         self._parallel(self._lib.edge_sd_repack, (weight.ctypes.data, halves.ctypes.data, self._kb,
-                                                  self._packed[first * self.cols:].ctypes.data,
-                                                  self._scales[first * self._kb:].ctypes.data),
-                       self._cut(0, n // GROUP))  # groups counted from `first`: the pointers start there
+                                                  self._packed.ctypes.data, self._scales.ctypes.data,
+                                                  first // GROUP), self._cut(0, n // GROUP))
 
     def _cut(self, g0: int, g1: int) -> list[tuple[int, int]]:
-        cuts = np.linspace(g0, g1, self.threads + 1).astype(np.int64).tolist()
+        # inner cuts at whole fours of groups, the kernel's widest tile
+        cuts = [g0, *(min(g1, max(g0, round(c / 4) * 4)) for c in np.linspace(g0, g1, self.threads + 1)[1:-1]), g1]
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
     def _parallel(self, fn: Any, args: tuple[Any, ...], ranges: list[tuple[int, int]] | None = None) -> None:
