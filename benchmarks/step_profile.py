@@ -6,10 +6,11 @@ over the pair target's graph, with edge-sd's LM-head kernel timed beside it.
 
 Per depth (the news articles' and code prompts' tokens cached, as benchmarks/context_depth.py caches
 them) and forward size (1: a decoding step; more: a verification forward), --forwards forwards of that
-many positions from the same cached length, after two untimed ones, 2 threads. Each forward's wall
-time is split into ONNX Runtime's run (its kernels by kind, from the profiler), the LM head's kernel
-(edge_sd/engines/lm_head.py, where the CPU runs it) and the rest (binding, Python). The profiler adds
-a little to every kernel, so its runs are slower than unprofiled ones: read the shares, not the sums.
+many positions from the same cached length, after two untimed ones, 2 threads, on two engines over
+the same folder in turn: one plain, whose forwards and LM-head kernel (edge_sd/engines/lm_head.py,
+where the CPU runs it) are timed, and one whose session ONNX Runtime's profiler records, whose kernels
+are summed by kind. The profiler adds to every kernel, the many small ones most: read its kinds as
+shares of a forward, not as their unprofiled times.
 
 Writes benchmarks/results/step_profile.{md,json,png}; `--report` writes the table and plot again.
 """
