@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from edge_sd.engines import lm_head
 from edge_sd.tools.cli import app
 from edge_sd.vocab import Vocab
 
@@ -69,6 +70,19 @@ def test_inspect(tiny_root: Path) -> None:
     r = run("inspect", str(tiny_root / "pairs" / "gemma_qwen"))
     assert r.exit_code == 0, r.output
     assert "intersection" in r.output and "gemma3_text" in r.output
+
+
+def test_inspect_says_who_computes_the_lm_head(gguf_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gguf target's recorded head: edge-sd's kernel where it runs, else the graph's and why; the
+    drafter (no record) always the graph's."""
+    pair = str(gguf_root / "pair")
+    monkeypatch.setenv("EDGE_SD_LM_HEAD", "0")
+    line = next(x for x in run("inspect", pair).output.splitlines() if "LM head" in x)
+    assert "the graph's (EDGE_SD_LM_HEAD=0)" in line and "kernel" not in line, line
+    if lm_head.library()[0] is not None:
+        monkeypatch.setenv("EDGE_SD_LM_HEAD", "1")
+        line = next(x for x in run("inspect", pair).output.splitlines() if "LM head" in x)
+        assert "edge-sd's kernel" in line and "the graph's" in line, line  # target, drafter
 
 
 def test_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

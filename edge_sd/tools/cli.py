@@ -585,6 +585,7 @@ def inspect(
         rows.append(["window views", *(_window_views(m.window_views) for m in manifests.values())])
         rows.append(["grouped global layers", *(", ".join(map(str, m.grouped_attention)) or "none"
                                                 for m in manifests.values())])
+        rows.append(["LM head on this CPU", *(_lm_head(m) for m in manifests.values())])
         rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
         rows.append(["chat template from", *(m.exporter.get("chat_template", "not recorded")
                                              for m in manifests.values())])
@@ -825,6 +826,16 @@ def _bench_engines(folder: Path, per_set: int, max_new_tokens: int, k: str, thre
         files = engine_report.write(results, out_dir, "edge-sd " + " ".join(sys.argv[1:]))
         _print_text(engine_report.speed_table(results["cases"], opts.k))
         err.print("wrote " + ", ".join(str(p) for p in files))
+
+
+def _lm_head(m: Any) -> str:
+    """`inspect`'s line for who computes an engine's LM head when this machine loads it on its CPU."""
+    if not m.lm_head or m.device != "cpu":
+        return "the graph's"
+    from edge_sd.engines import lm_head
+
+    used, why = lm_head.wanted()
+    return "edge-sd's kernel" if used else f"the graph's ({why})"
 
 
 def _window_views(views: dict) -> str:
