@@ -39,7 +39,7 @@ import numpy as np
 from edge_sd.bench.llama_cpp import in_large_pages
 from edge_sd.bench.llama_cpp import version as llama_version
 from edge_sd.bench.run import machine, write_results
-from edge_sd.decoder import PREFILL_CHUNK
+from edge_sd.decoder import PREFILL_AREA, PREFILL_CHUNK, prefill_stop
 from edge_sd.manifest import load_engine_manifest, load_pair_manifest
 from edge_sd.model import Model
 from edge_sd.tools import prompt_sets
@@ -49,12 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def prefill(engine, ids: list[int]) -> float:
-    """Seconds to cache `ids` as a generator's prefill does: PREFILL_CHUNK positions a forward, the
+    """Seconds to cache `ids` as a generator's prefill does: in chunks (decoder.prefill_stop), the
     last row's logits read."""
     engine.reset()
     start = time.perf_counter()
-    for at in range(0, len(ids), PREFILL_CHUNK):
-        engine.forward(np.asarray(ids[at:at + PREFILL_CHUNK]), last=1, scratch=True)
+    at = 0
+    while at < len(ids):
+        stop = prefill_stop(at, len(ids))
+        engine.forward(np.asarray(ids[at:stop]), last=1, scratch=True)
+        at = stop
     return time.perf_counter() - start
 
 
@@ -257,6 +260,8 @@ def main() -> None:
         memory = measure_memory(args, bench, gguf, depths)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "target": pm.target, "gguf": gguf.name, "sliding_window": manifest.sliding_window,
+              "prefill_chunks": f"{PREFILL_CHUNK} positions, halved down to 64 while chunk x (cached + chunk) "
+                                f"exceeds {PREFILL_AREA}",
               "window_granule": manifest.window_views.get("granule", 0),
               "grouped_attention": manifest.grouped_attention,
               "llama_cpp": llama_version(args.llama_bin), "options": {k: str(v) for k, v in vars(args).items()},
@@ -275,7 +280,8 @@ def report(result: dict) -> str:
         f"{result['date']}, {m['cpu']} ({m['cores']} cores), ONNX Runtime {m['onnxruntime']}, "
         f"llama.cpp {result['llama_cpp']}; {o['threads']} threads each. {result['gguf']}: edge-sd's "
         f"`{result['target']}` engine of the pair (as a generator's target: prefill in chunks of "
-        f"{PREFILL_CHUNK}, sliding-window views in steps of {result.get('window_granule', '?')} positions) "
+        f"{result.get('prefill_chunks', '512 positions')}, sliding-window views in steps of "
+        f"{result.get('window_granule', '?')} positions) "
         f"against llama.cpp's `llama-bench`, {o['tokens']} tokens after each depth, median of {o['repeats']} "
         f"interleaved repeats (`benchmarks/context_depth.py`). The model's sliding window: "
         f"{result['sliding_window']} positions.",

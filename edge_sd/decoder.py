@@ -19,17 +19,33 @@ from edge_sd.algorithms.base import DrafterState
 from edge_sd.algorithms.lookup import LookupProposer
 from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
+from edge_sd.engines.consistency import SPLIT_AT
 from edge_sd.errors import EdgeSDError
 from edge_sd.sampling import Rows, SamplingConfig, draw
 from edge_sd.schedules import Round, Schedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
 
-# Positions a prefill feeds a forward: a forward's activations grow with the positions it feeds, so
-# chunks bound the memory a long prompt takes (benchmarks/results/prefill.md), and a server feeds a
-# prompt between other requests' rounds a chunk at a time. A multiple of the engines' split
-# (engines/consistency.py), where long forwards are cut anyway.
+# Positions a prefill feeds a forward at most: a forward's activations grow with the positions it
+# feeds, so chunks bound the memory a long prompt takes, and a server feeds a prompt between other
+# requests' rounds a chunk at a time. A multiple of the engines' split (engines/consistency.py), where
+# long forwards are cut anyway.
 PREFILL_CHUNK = 512
+# ... and fewer as the cache grows: a global attention layer scores a chunk's positions against every
+# cached one ([chunk x heads, cached + chunk] floats), so chunks halve while chunk x (cached + chunk)
+# exceeds this. That bounds a chunk's transient memory at any depth (16 MiB a score tensor for four
+# heads) and keeps the scores in the CPU's caches: deep prefills ran faster in the smaller chunks
+# (benchmarks/results/context_depth.md).
+PREFILL_AREA = 1 << 20
+
+
+def prefill_stop(cached: int, end: int) -> int:
+    """Where the prefill chunk after `cached` positions ends (at most `end`): at the next multiple of
+    its size, so that a prompt is cut alike however it is fed (whole, or a slice a call)."""
+    chunk = PREFILL_CHUNK
+    while chunk > SPLIT_AT and chunk * (cached + chunk) > PREFILL_AREA:
+        chunk //= 2
+    return min(end, (cached // chunk + 1) * chunk)
 
 
 @dataclass
@@ -70,7 +86,7 @@ class Decoder:
         self._first: Emitted | None = None  # the first token, drawn from the prefill's last row
 
     def prefill(self, limit: int | None = None) -> bool:
-        """Cache what is not cached yet of the committed ids, PREFILL_CHUNK positions a forward; with
+        """Cache what is not cached yet of the committed ids, a chunk a forward (prefill_stop); with
         `limit`, about that many positions now (a chunk at least). True once all of it is cached.
 
         The last id is fed too where more than it is uncached: the last chunk's last row then gives
@@ -87,8 +103,7 @@ class Decoder:
         end = self._prefill_end
         fed, row = 0, None
         while target.n_cached < end and (limit is None or fed < limit):
-            # Chunks end at multiples of PREFILL_CHUNK.
-            stop = min(end, (target.n_cached // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            stop = prefill_stop(target.n_cached, end)
             before, n = target.forward_time, target.n_cached  # engines time their own forwards
             row = target.forward(np.asarray(committed[n:stop]), last=1, scratch=True)
             elapsed = target.forward_time - before

@@ -299,6 +299,26 @@ def test_a_long_prompt_prefilled_a_slice_at_a_time(model: Pipeline, monkeypatch,
         assert whole == alone(model, LONG, replace(cfg, algorithm="plain"))
 
 
+def test_prefill_chunks_shrink_with_depth_and_end_where_they_would_whole() -> None:
+    """A deep prefill's chunks: from PREFILL_CHUNK down to the engines' split as the cache grows, each
+    the largest within PREFILL_AREA (the split at least), ending on a multiple of its size; the last
+    at the prompt's end."""
+    end, n, sizes = 20_000, 0, []
+    while n < end:
+        stop = decoder.prefill_stop(n, end)
+        size = stop - n
+        sizes.append(size)
+        if stop == end:
+            break
+        assert size in (64, 128, 256, 512) and stop % size == 0
+        assert size * (n + size) <= decoder.PREFILL_AREA or size == consistency.SPLIT_AT
+        assert size == decoder.PREFILL_CHUNK or 2 * size * (n + 2 * size) > decoder.PREFILL_AREA
+        n = stop
+    assert sizes[0] == decoder.PREFILL_CHUNK and sizes[-2] == consistency.SPLIT_AT
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True) and sum(sizes) == end
+    assert decoder.prefill_stop(8190, 8191) == 8191 and decoder.prefill_stop(100, 10_000) == 512
+
+
 def test_a_chunked_prefill_caches_what_a_whole_one_does(model: Pipeline) -> None:
     """The next position's logits after a prefill in chunks of 64 against one whole prefill: within
     the bounds two forwards of the same positions keep to (engines/consistency.py)."""

@@ -25,9 +25,10 @@ _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # prompt lookup draft of 16 and the token before it (schedules.choose.DEFAULT_MAX_LOOKUP).
 SCRATCH_ROWS = 17
 
-# A forward of at least this many positions (a long prompt's chunk) gives the heap's free pages back
-# after it (engines/host_memory.py): a few milliseconds against seconds of forward.
-GIVE_BACK_AFTER = 256
+# A forward of at least this many positions (a long prompt's chunk, 64 positions at the least: the
+# decoder's prefill_stop) gives the heap's free pages back after it (engines/host_memory.py): a
+# millisecond or so against a tenth of a second or more of forward. Verification forwards are shorter.
+GIVE_BACK_AFTER = 64
 
 # `logits_to_keep` for a forward whose logits the runtime computes (engines/lm_head.py): the graph's
 # head then gets no rows (its slice starts past the end).
