@@ -85,6 +85,21 @@ def test_inspect_says_who_computes_the_lm_head(gguf_root: Path, monkeypatch: pyt
         assert "edge-sd's kernel" in line and "the graph's" in line, line  # target, drafter
 
 
+def test_inspect_says_who_computes_the_attention(gguf_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`inspect`'s row "attention on this CPU": ONNX Runtime's with the reason where the kernel is
+    off, edge-sd's kernel for the gguf target where it is on; the drafter's always ONNX Runtime's."""
+    from edge_sd.engines import attention
+
+    pair = str(gguf_root / "pair")
+    monkeypatch.setenv("EDGE_SD_ATTENTION", "0")
+    line = next(x for x in run("inspect", pair).output.splitlines() if "attention on" in x)
+    assert "ONNX Runtime's (EDGE_SD_ATTENTION=0)" in line and "kernel" not in line, line
+    if attention.library()[0] is not None:
+        monkeypatch.setenv("EDGE_SD_ATTENTION", "1")
+        line = next(x for x in run("inspect", pair).output.splitlines() if "attention on" in x)
+        assert "edge-sd's kernel" in line and line.rstrip(' |').endswith("ONNX Runtime's"), line  # target, drafter
+
+
 def test_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command that reads an export refuses a folder that is none with the same one line and
     exit code (3), before it fetches anything (no prompt set is downloaded into the cache)."""

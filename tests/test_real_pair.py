@@ -177,26 +177,30 @@ def test_verification_forwards_across_64_positions_agree_with_plain_steps(pipe) 
         assert across_split(engine, ids, ends) == 0.0, ends
 
 
-def _views_against_whole(pipe, granule: int, ids: list[int], start: int, end: int) -> tuple[int, int, int]:
-    """consistency.views_against_whole on two engines of the target's session, one with views from
+def _views_against_whole(session, granule: int, ids: list[int], start: int, end: int) -> tuple[int, int, int]:
+    """consistency.views_against_whole on two engines of a target session, one with views from
     offsets in steps of `granule`, forwards of up to 17 positions (auto's longest verification)."""
     from edge_sd.engines.consistency import views_against_whole
 
-    viewed, whole = pipe.target.session.engine(), pipe.target.session.engine()
+    viewed, whole = session.engine(), session.engine()
     viewed.window_granule, whole.window_granule = granule, 0
     assert viewed.can_view_windows
     return views_against_whole(viewed, whole, np.asarray(ids), start, end, np.random.default_rng(1),
                                sizes=(1, 1, 2, 4, 7, 17))
 
 
-def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
+def test_sliding_window_views_compute_what_the_whole_cache_does(pipe, monkeypatch) -> None:
     """Gemma 3's sliding-window layers (15 of 18, a window of 512) read their cache through a view that
     starts at an offset (manifest window_views, engines/kv.py window_offset): every forward's logits
-    equal, bit for bit, those of an engine reading the whole cache, across three offsets.
-    With offsets a multiple of half the granule the same comparison finds forwards that differ (the
-    attention kernel sums positions in blocks: of 128 on an AVX-512 AMD EPYC, of 64 on an AVX2-only
-    one), so this comparison can fail."""
+    equal, bit for bit, those of an engine reading the whole cache, across three offsets, through
+    ONNX Runtime's attention node and through edge-sd's kernel where it runs.
+    With offsets a multiple of half the granule the same comparison finds forwards that differ through
+    ONNX Runtime's node (its kernel sums positions in blocks: of 128 on an AVX-512 AMD EPYC, of 64 on an
+    AVX2-only one), so this comparison can fail; edge-sd's kernel sums in blocks of 16 positions, so
+    half the granule is exact there too."""
+    from edge_sd.engines import attention
     from edge_sd.engines.consistency import WINDOW_GRANULES
+    from edge_sd.engines.ort import OrtSession
 
     views = pipe.target.manifest.window_views
     assert views["layers"] == [i for i in range(18) if i % 6 != 5] and views["window"] == 512
@@ -204,10 +208,20 @@ def test_sliding_window_views_compute_what_the_whole_cache_does(pipe) -> None:
     granule = views["granule"]
     # Enough positions for the forwards up to 600 + 4 granules (the largest granule's too).
     ids = [int(i) for i in np.random.default_rng(0).integers(1000, 200000, size=600 + 4 * granule + 32)]
-    forwards, unequal, offset = _views_against_whole(pipe, granule, ids, 600, 600 + 4 * granule)
-    assert unequal == 0 and forwards > 50 and offset >= 2 * granule
-    forwards, unequal, offset = _views_against_whole(pipe, granule // 2, ids, 600, 800)
+    kernel = pipe.target.session if attention.wanted()[0] is not None else None  # as the pipe was loaded
+    monkeypatch.setenv("EDGE_SD_RUNTIME_CACHE", "0")  # the session below is built as it is, cached nowhere
+    monkeypatch.setenv(attention.ENV, "0")
+    plain = OrtSession(PAIR / "target", provider="cpu", threads=2)
+    for session in (plain, kernel):
+        if session is None:
+            continue
+        forwards, unequal, offset = _views_against_whole(session, granule, ids, 600, 600 + 4 * granule)
+        assert unequal == 0 and forwards > 50 and offset >= 2 * granule
+    forwards, unequal, offset = _views_against_whole(plain, granule // 2, ids, 600, 800)
     assert unequal > 0 and offset > 0
+    if kernel is not None:
+        forwards, unequal, offset = _views_against_whole(kernel, granule // 2, ids, 600, 800)
+        assert unequal == 0 and offset > 0
 
 
 def test_greedy_equals_plain_over_a_long_prompt(pipe) -> None:

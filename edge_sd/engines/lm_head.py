@@ -26,12 +26,8 @@ C loop, for tests).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_sd.engines import native
 from edge_sd.errors import ArtifactError
-from edge_sd.layout import cache_dir
 
 BLOCK = 32
 GROUP = 8  # weight rows repacked together
@@ -219,14 +215,6 @@ _lock = threading.Lock()
 _built: dict[bool, tuple[Any, str]] = {}  # portable or not: the loaded kernel or None, and why there is none
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
 def library(portable: bool = False) -> tuple[Any, str]:
     """The compiled kernel (ctypes) and "", or None and why there is none. Built once per machine and
     compiler, then loaded from the cache folder. portable: the plain C loop even where the CPU has
@@ -241,23 +229,7 @@ def library(portable: bool = False) -> tuple[Any, str]:
 
 
 def _build(portable: bool) -> Any:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc}) to build the LM head's kernel")
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", *(["-DEDGE_SD_PORTABLE"] if portable else [])]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE, cc, *flags, version, platform.machine(), _cpu_flags()]).encode())
-    path = cache_dir() / "kernels" / key.hexdigest()[:16] / "libedge_sd_lm_head.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, out = Path(tmp) / "lm_head.c", Path(tmp) / path.name
-            src.write_text(SOURCE)
-            done = subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], capture_output=True, text=True,
-                                  timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cc} could not build the LM head's kernel: {done.stderr.strip()[-300:]}")
-            out.replace(path)  # whole or not at all: another process finds a finished library or none
+    path = native.compiled(SOURCE, "edge_sd_lm_head", "the LM head's kernel", ("EDGE_SD_PORTABLE",) if portable else ())
     lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_long
     lib.edge_sd_repack.argtypes = [p, p, i, p, p, i, i, i]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from edge_sd.engines import large_pages
+from edge_sd.engines import attention, large_pages
 from edge_sd.errors import ArtifactError
 from edge_sd.layout import CACHE_DIR, DATA, KEY_FILE, MODEL, ORT_DIR
 from edge_sd.manifest import EngineManifest
@@ -78,12 +78,16 @@ def _model_files(m: EngineManifest) -> list:
 
 
 def cache_key(m: EngineManifest, folder: Path) -> dict:
-    """What the saved graph was made from; any difference makes it stale."""
+    """What the saved graph was made from (on the CPU provider, as it is only made); any difference
+    makes it stale."""
     files = []
     for entry in _model_files(m):
         stat = (Path(folder) / entry.path).stat()
         files.append([entry.path, stat.st_size, stat.st_mtime_ns, entry.sha256])
-    return {"format": FORMAT, "onnxruntime": ort.__version__, "cpu": cpu_identity(), "files": files}
+    # The attention kernel's nodes are in the saved graph where it was made with the kernel.
+    kernel = attention_kernel(m, ["CPUExecutionProvider"])
+    return {"format": FORMAT, "onnxruntime": ort.__version__, "cpu": cpu_identity(), "files": files,
+            "attention": attention.identity(kernel) if kernel else None}
 
 
 def wanted(m: EngineManifest, providers: list[str]) -> bool:
@@ -188,9 +192,25 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
     the engine, saving it for the next load. Also says which: "loaded" / "saved" from or into that
     cache, "" neither. whole: check every byte of the cache (else sampled blocks); notes: where a
     damaged cache is reported."""
-    original = folder / m.model_file
+    where = (folder / m.model_file).parent
+    kernel = attention_kernel(m, names)
+    if kernel is not None:
+        # The kernel's operator, registered before either graph loads (the saved one holds its nodes).
+        opts.register_custom_ops_library(str(kernel))
+
+    def original() -> Path | bytes:
+        """The engine's graph, with edge-sd's attention nodes where the kernel runs."""
+        path = folder / m.model_file
+        if kernel is None:
+            return path
+        try:
+            rewritten, count = attention.rewrite(path.read_bytes(), m.head_dim, m.kv_dtype)
+        except (ValueError, IndexError):  # not a protobuf message: ONNX Runtime says what is wrong
+            return path
+        return rewritten if count else path
+
     if not wanted(m, names):
-        return open_session(original, opts, chosen), ""
+        return open_session(original(), opts, chosen, where), ""
     key = cache_key(m, folder)
     saved, damaged = saved_model(folder, key, whole=whole)
     if damaged:
@@ -212,15 +232,15 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
             return session, "loaded"
     tmp = save_to(opts, folder)
     if tmp is None:
-        return open_session(original, opts, chosen), ""
+        return open_session(original(), opts, chosen, where), ""
     try:
-        session = open_session(original, opts, chosen)
+        session = open_session(original(), opts, chosen, where)
     except ArtifactError:
         # ONNX Runtime fails the whole load when it cannot write the graph (a full disk, say): loaded
         # again without saving, it reports what is wrong with the engine itself, if anything.
         discard(tmp)
         opts.optimized_model_filepath = ""
-        return open_session(original, opts, chosen), ""
+        return open_session(original(), opts, chosen, where), ""
     except BaseException:
         discard(tmp)
         raise
@@ -244,10 +264,26 @@ def _in_large_pages(m: EngineManifest, saved: Path, small: large_pages.Residency
     return session
 
 
-def open_session(path: Path, opts: ort.SessionOptions, chosen: list) -> ort.InferenceSession:
+def attention_kernel(m: EngineManifest, names: list[str]) -> Path | None:
+    """The attention kernel's library an engine's session registers (engines/attention.py): on the CPU
+    provider alone, for a graph whose caches are shared buffers (past and present bound to one), where
+    the kernel is wanted and built."""
+    if names != ["CPUExecutionProvider"] or m.kv_layout != "shared":
+        return None
+    return attention.wanted()[0]
+
+
+def open_session(path: Path | bytes, opts: ort.SessionOptions, chosen: list,
+                 folder: Path | None = None) -> ort.InferenceSession:
+    """A session of the graph at `path`, or of a serialized graph whose weights lie in `folder`."""
+    if isinstance(path, bytes):
+        # Set here, not before: a graph read from a file finds its weights beside it (the saved one's).
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     try:
-        return ort.InferenceSession(str(path), sess_options=opts, providers=chosen)
+        return ort.InferenceSession(path if isinstance(path, bytes) else str(path), sess_options=opts,
+                                    providers=chosen)
     except Exception as e:  # ORT raises its own exception types for unreadable models
         text = str(e).strip()
         first = text.splitlines()[0][:300] if text else type(e).__name__
-        raise ArtifactError(f"{path}: ONNX Runtime could not load it ({first})") from None
+        where = "the engine's graph with edge-sd's attention" if isinstance(path, bytes) else path
+        raise ArtifactError(f"{where}: ONNX Runtime could not load it ({first})") from None

@@ -586,6 +586,7 @@ def inspect(
         rows.append(["grouped global layers", *(", ".join(map(str, m.grouped_attention)) or "none"
                                                 for m in manifests.values())])
         rows.append(["LM head on this CPU", *(_lm_head(m) for m in manifests.values())])
+        rows.append(["attention on this CPU", *(_attention(m) for m in manifests.values())])
         rows.append(["tokenizer from", *(m.exporter.get("tokenizer", "not recorded") for m in manifests.values())])
         rows.append(["chat template from", *(m.exporter.get("chat_template", "not recorded")
                                              for m in manifests.values())])
@@ -836,6 +837,17 @@ def _lm_head(m: Any) -> str:
 
     used, why = lm_head.wanted()
     return "edge-sd's kernel" if used else f"the graph's ({why})"
+
+
+def _attention(m: Any) -> str:
+    """`inspect`'s line for who computes an engine's cached attention when this machine loads it on its
+    CPU: edge-sd's kernel for the attention nodes it rewrites (a `gguf` target's, engines/attention.py)."""
+    if not (m.previous_row_attention and m.kv_layout == "shared" and m.device == "cpu"):
+        return "ONNX Runtime's"
+    from edge_sd.engines import attention
+
+    kernel, why = attention.wanted()
+    return "edge-sd's kernel" if kernel else f"ONNX Runtime's ({why})"
 
 
 def _window_views(views: dict) -> str:
