@@ -72,32 +72,23 @@ def test_inspect(tiny_root: Path) -> None:
     assert "intersection" in r.output and "gemma3_text" in r.output
 
 
-def test_inspect_says_who_computes_the_lm_head(gguf_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gguf target's recorded head: edge-sd's kernel where it runs, else the graph's and why; the
-    drafter (no record) always the graph's."""
-    pair = str(gguf_root / "pair")
-    monkeypatch.setenv("EDGE_SD_LM_HEAD", "0")
-    line = next(x for x in run("inspect", pair).output.splitlines() if "LM head" in x)
-    assert "the graph's (EDGE_SD_LM_HEAD=0)" in line and "kernel" not in line, line
-    if lm_head.library()[0] is not None:
-        monkeypatch.setenv("EDGE_SD_LM_HEAD", "1")
-        line = next(x for x in run("inspect", pair).output.splitlines() if "LM head" in x)
-        assert "edge-sd's kernel" in line and "the graph's" in line, line  # target, drafter
-
-
-def test_inspect_says_who_computes_the_attention(gguf_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`inspect`'s row "attention on this CPU": ONNX Runtime's with the reason where the kernel is
-    off, edge-sd's kernel for the gguf target where it is on; the drafter's always ONNX Runtime's."""
+@pytest.mark.parametrize(("row", "env", "other"), [("LM head on this CPU", "EDGE_SD_LM_HEAD", "the graph's"),
+                                                  ("attention on this CPU", "EDGE_SD_ATTENTION", "ONNX Runtime's")])
+def test_inspect_says_who_computes_the_lm_head_and_the_attention(gguf_root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 row: str, env: str, other: str) -> None:
+    """A gguf target's recorded head and its attention nodes: edge-sd's kernel where it runs, else the
+    graph's (ONNX Runtime's) and why; the drafter's always the graph's."""
     from edge_sd.engines import attention
 
     pair = str(gguf_root / "pair")
-    monkeypatch.setenv("EDGE_SD_ATTENTION", "0")
-    line = next(x for x in run("inspect", pair).output.splitlines() if "attention on" in x)
-    assert "ONNX Runtime's (EDGE_SD_ATTENTION=0)" in line and "kernel" not in line, line
-    if attention.library()[0] is not None:
-        monkeypatch.setenv("EDGE_SD_ATTENTION", "1")
-        line = next(x for x in run("inspect", pair).output.splitlines() if "attention on" in x)
-        assert "edge-sd's kernel" in line and line.rstrip(' |').endswith("ONNX Runtime's"), line  # target, drafter
+    monkeypatch.setenv(env, "0")
+    line = next(x for x in run("inspect", pair).output.splitlines() if row in x)
+    assert f"{other} ({env}=0)" in line and "kernel" not in line, line
+    built = (lm_head.library() if env == "EDGE_SD_LM_HEAD" else attention.library())[0] is not None
+    if built:
+        monkeypatch.setenv(env, "1")
+        line = next(x for x in run("inspect", pair).output.splitlines() if row in x)
+        assert "edge-sd's kernel" in line and line.rstrip(" |").endswith(other), line  # target, drafter
 
 
 def test_missing_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
