@@ -2,10 +2,10 @@
 
 ONNX Runtime's CPU GroupQueryAttention scores each query head against the cache on its own and runs a
 few query rows through general matrix products that repack their operands at every call: once a
-sliding-window layer holds its few hundred positions, its attention cost most of what a step gains
-with depth (benchmarks/results/step_profile.md). The kernel here makes one pass over the keys and
-values for every query head that shares them and for up to four query rows at once, in blocks of
-16 keys, keeping each row's softmax running from block to block.
+sliding-window layer holds its few hundred positions, its attention was most of what a step's time
+grew by with depth (benchmarks/results/step_profile.md). The kernel here makes one pass over the keys
+and values for every query head that shares them and for up to 16 query rows at once, in blocks of
+16 keys, keeping each row's softmax running from block to block (benchmarks/cached_attention.py).
 
 It is a custom operator, `CachedAttention` in the domain `edge_sd`, with GroupQueryAttention's inputs,
 outputs and meaning as the exported graphs use it: the rotary embedding applied before it, float32,
@@ -23,7 +23,10 @@ multiple of the window granule, 64 or more) what the whole buffer gives.
 
 The kernel is compiled on first use (engines/native.py). It reaches ONNX Runtime through its C API,
 whose function table only ever grows at its end: the positions used are those of version 17, which
-added the thread pool's parallel-for. EDGE_SD_ATTENTION=0 keeps ONNX Runtime's own node.
+added the thread pool's parallel-for. It runs where the CPU has AVX-512 (where it was measured);
+EDGE_SD_ATTENTION=0 keeps ONNX Runtime's own node, =1 uses the kernel on any CPU. Export validation
+measures the graph as exported, with ONNX Runtime's node (export/validate.py): the kernel keeps every
+consistency that holds there.
 """
 
 from __future__ import annotations
