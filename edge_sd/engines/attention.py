@@ -31,7 +31,6 @@ consistency that holds there.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import subprocess
@@ -76,8 +75,9 @@ def wanted() -> tuple[Path | None, str]:
 
 
 def identity(path: Path) -> str:
-    """What a runtime cache built with this library records of it: another kernel builds it again."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    """What a runtime cache built with this library records of it: another kernel builds it again.
+    The library's folder is named after its source, compiler, flags and CPU (native.compiled)."""
+    return path.parent.name
 
 
 # The ONNX protobuf fields the rewrite reads and writes (onnx.proto): ModelProto.graph and

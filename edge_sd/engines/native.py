@@ -8,6 +8,7 @@ the CPU: a later load finds it there, and a change to any of them builds it agai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -19,7 +20,9 @@ from pathlib import Path
 from edge_sd.layout import cache_dir
 
 
+@functools.cache
 def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), read once a process."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
