@@ -160,8 +160,8 @@ def test_the_rewrite_replaces_the_nodes_the_kernel_computes_and_nothing_else() -
              _gqa("rotary", do_rotary=1), _gqa("capped", softcap=30.0), _gqa("odd", num_heads=3, kv_num_heads=2),
              helper.make_node("Relu", ["x"], ["y"], name="relu")]
     before = _graph(nodes)
-    after, count = attention.rewrite(before, DIM, "float32")
-    assert count == 1
+    after, count, everywhere = attention.rewrite(before, DIM, "float32")
+    assert count == 1 and not everywhere  # three GroupQueryAttention nodes stay
     a, b = onnx.load_from_string(before), onnx.load_from_string(after)
     assert [(n.op_type, n.domain) for n in b.graph.node] == [
         (attention.OP, attention.DOMAIN), *[(n.op_type, n.domain) for n in a.graph.node[1:]]]
@@ -171,4 +171,51 @@ def test_the_rewrite_replaces_the_nodes_the_kernel_computes_and_nothing_else() -
     assert [(o.domain, o.version) for o in b.opset_import][-1] == (attention.DOMAIN, 1)
     # caches the kernel does not take: none rewritten
     for head_dim, dtype in ((80, "float32"), (1024, "float32"), (DIM, "float16")):
-        assert attention.rewrite(_graph(nodes, head_dim), head_dim, dtype) == (_graph(nodes, head_dim), 0)
+        assert attention.rewrite(_graph(nodes, head_dim), head_dim, dtype) == (_graph(nodes, head_dim), 0, False)
+
+
+def test_the_kernels_graph_drops_the_previous_row_and_computes_what_it_computed_with_it(
+        gguf_root, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gguf target's attention nodes run over the position before the forward's own as well
+    (export/attention_steps.py); where the kernel runs, the rewrite gives them their own rows alone
+    and removes what only fed the previous one. Each row's output is then bit for bit what it was
+    with that row beside it, in prefill, steps and a verification-sized forward; the control, the
+    graph as the kernel first took it, is the other engine."""
+    import onnx
+
+    from edge_sd.engines.ort import OrtEngine
+    from edge_sd.manifest import load_engine_manifest
+
+    folder = gguf_root / "pair" / "target"
+    m = load_engine_manifest(folder)
+    before = (folder / m.model_file).read_bytes()
+    after, count, everywhere = attention.rewrite(before, m.head_dim, m.kv_dtype)
+    gqa = [n for n in onnx.load_from_string(before).graph.node if n.op_type == "GroupQueryAttention"]
+    assert count == len(gqa) > 0 and everywhere
+    graph = onnx.load_from_string(after).graph
+    made = {o: n for n in graph.node for o in n.output}
+    kernel = [n for n in graph.node if n.op_type == attention.OP]
+    assert len(kernel) == count
+    for node in kernel:  # the query and key rows straight from their rotary embedding
+        assert [made[x].op_type for x in node.input[:2]] == ["RotaryEmbedding"] * 2
+    assert not any(n.op_type == "Concat" and set(n.output) & {x for k in kernel for x in k.input} for n in graph.node)
+    assert len(graph.node) < len(onnx.load_from_string(before).graph.node) - 6 * count
+
+    monkeypatch.setenv(attention.ENV, "1")
+    monkeypatch.setenv("EDGE_SD_RUNTIME_CACHE", "0")
+    dropped = OrtEngine(folder, provider="cpu", threads=2)
+    dropped.prepare()
+    simplified = attention._simplified
+    monkeypatch.setattr(attention, "_simplified", lambda g: ([raw for *_, raw in g], False))
+    kept = OrtEngine(folder, provider="cpu", threads=2)
+    kept.prepare()
+    monkeypatch.setattr(attention, "_simplified", simplified)
+    assert dropped.shared.attention_by_kernel and not kept.shared.attention_by_kernel
+    ids = np.random.default_rng(5).integers(3, m.vocab_size, size=120)
+    for e in (dropped, kept):
+        e.reset()
+    outs = []
+    for e in (dropped, kept):
+        rows = [e.forward(ids[:40]), *(e.forward(ids[i:i + 1]) for i in range(40, 90)), e.forward(ids[90:107])]
+        outs.append(np.concatenate(rows))
+    assert np.array_equal(outs[0], outs[1])

@@ -20,9 +20,11 @@ from edge_sd.engines import ort as ort_engine
 from edge_sd.engines.ort import OrtEngine
 
 
-def test_a_forward_across_a_split_runs_as_one_position_steps_meet_it(gguf_root: Path) -> None:
+def test_a_forward_across_a_split_runs_as_one_position_steps_meet_it(gguf_root: Path, monkeypatch) -> None:
     """Which forwards run, with one-position steps (what a gguf target steps where the CPU's kernels
-    allow: below, test_forwards_across_64_positions_agree_with_plain_steps)."""
+    allow: below, test_forwards_across_64_positions_agree_with_plain_steps), over ONNX Runtime's
+    attention."""
+    monkeypatch.setenv("EDGE_SD_ATTENTION", "0")
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=1)
     assert engine.min_step == 1 and engine.manifest.previous_row_attention and ort_engine.SPLIT_AT == 64
     ids = list(range(3, 3 + 80))
@@ -44,7 +46,8 @@ def test_a_forward_across_a_split_runs_as_one_position_steps_meet_it(gguf_root: 
         assert fed == parts and engine.cached_ids.tolist() == ids[:end]
 
 
-def test_a_forward_across_a_split_runs_as_two_position_steps_meet_it(gguf_root: Path) -> None:
+def test_a_forward_across_a_split_runs_as_two_position_steps_meet_it(gguf_root: Path, monkeypatch) -> None:
+    monkeypatch.setenv("EDGE_SD_ATTENTION", "0")  # ONNX Runtime's attention: edge-sd's never splits
     engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=2)
     assert engine.min_step == 2 and ort_engine.SPLIT_AT == 64
     ids = list(range(3, 3 + 80))
@@ -83,12 +86,38 @@ def test_a_forward_across_a_split_runs_as_two_position_steps_meet_it(gguf_root: 
     assert fed == [ids[40:43]]
 
 
+def test_over_edge_sds_attention_no_forward_is_split_and_each_computes_what_the_steps_do(
+        gguf_root: Path, monkeypatch) -> None:
+    """Where edge-sd's kernel computes every attention of the graph (engines/attention.py), each row
+    is computed alike in any forward: forwards across 64 and 128 run whole, and every row equals the
+    one-position step's bit for bit. ONNX Runtime's node is the control: the same forwards are split."""
+    from edge_sd.engines import attention
+    from edge_sd.engines.consistency import across_split
+
+    if attention.library()[0] is None:
+        pytest.skip(f"the kernel did not build: {attention.library()[1]}")
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, 400, size=150)]
+    for choice in ("1", "0"):
+        monkeypatch.setenv("EDGE_SD_ATTENTION", choice)
+        engine = OrtEngine(gguf_root / "pair" / "target", provider="cpu", threads=2, min_step_positions=1)
+        assert engine.shared.attention_by_kernel == (choice == "1")
+        engine.forward(np.asarray(ids[:60]))
+        fed = record_fed(engine)
+        engine.forward(np.asarray(ids[60:70]))
+        assert (fed == [ids[60:70]]) == (choice == "1")
+        if choice == "1":
+            engine._io = engine._io._io
+            assert across_split(engine, ids, range(56, 140), sizes=(3, 9, 17)) == 0.0
+
+
 def record_fed(engine: OrtEngine) -> list[list[int]]:
     """The input ids of each ONNX Runtime run of the engine, from now on."""
     fed: list[list[int]] = []
     io = engine._io
 
     class Recording:
+        _io = io
+
         def __getattr__(self, name):
             return getattr(io, name)
 

@@ -19,7 +19,9 @@ import numpy as np
 # an AMD EPYC with AVX-512, a forward holding positions on both sides of 64 (or 192) computed them
 # otherwise than the steps do, its first row included, enough to change a greedy output; run so, every
 # row agrees (docs/artifact-format.md; export validation checks it: across_split below). It costs one
-# extra forward at most every SPLIT_AT positions.
+# extra forward at most every SPLIT_AT positions. Where edge-sd's attention kernel computes every
+# attention of the graph (engines/attention.py), a row is computed alike in any forward and no
+# forward is split.
 SPLIT_AT = 64
 
 # Relative to the logits' scale: the most two forwards of the same positions may differ.

@@ -215,7 +215,10 @@ class OrtEngine:
                 f"{m.name}: {self.n_cached + s} positions would exceed the maximum context of {m.max_context}"
             )
         edge = (self.n_cached // SPLIT_AT + 1) * SPLIT_AT  # the next multiple of SPLIT_AT
-        if split and (self.min_step > 1 or m.previous_row_attention) and self.n_cached + s > edge:
+        # Forwards are split for the kernels of ONNX Runtime's attention; edge-sd's computes a row alike
+        # in any forward (engines/attention.py).
+        if split and (self.min_step > 1 or m.previous_row_attention) and not self.shared.attention_by_kernel \
+                and self.n_cached + s > edge:
             return self._split_forward(ids, last, edge)
         start_time = time.perf_counter()
         back = min(max(self.min_step - s, 0), self.n_cached)  # cached positions fed again
@@ -275,7 +278,8 @@ class OrtEngine:
             if self._global_offset is not None:
                 # The writers attend over the view's few positions (their output is not read); the
                 # view holds the previous position they read back. Steps of GROUPED_STEP rebind rarely.
-                offset = max(start - 1, 0) // GROUPED_STEP * GROUPED_STEP
+                # Where edge-sd's kernel computes the attention itself, it is given the whole cache.
+                offset = 0 if self.shared.attention_by_kernel else max(start - 1, 0) // GROUPED_STEP * GROUPED_STEP
                 kv.view(offset, self._grouped)
                 self._global_offset[()] = offset
             kv.bind_whole(min(kv.capacity, -(-total // GROUPED_STEP) * GROUPED_STEP), self._grouped)

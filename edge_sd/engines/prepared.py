@@ -187,30 +187,21 @@ def discard(path: Path) -> None:
 
 
 def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: list, names: list[str], whole: bool,
-          notes: list[str]) -> tuple[ort.InferenceSession, str]:
+          notes: list[str]) -> tuple[ort.InferenceSession, str, bool]:
     """An engine's session, from the graph a first load saved beside it where there is one, else from
     the engine, saving it for the next load. Also says which: "loaded" / "saved" from or into that
-    cache, "" neither. whole: check every byte of the cache (else sampled blocks); notes: where a
+    cache, "" neither; and whether edge-sd's kernel computes every attention of the graph
+    (attention.rewrite). whole: check every byte of the cache (else sampled blocks); notes: where a
     damaged cache is reported."""
     where = (folder / m.model_file).parent
-    kernel = attention_kernel(m, names)
-    if kernel is not None:
-        # The kernel's operator, registered before either graph loads (the saved one holds its nodes).
-        opts.register_custom_ops_library(str(kernel))
+    rewritten, everywhere = _with_kernel(m, folder, opts, names)
 
     def original() -> Path | bytes:
         """The engine's graph, with edge-sd's attention nodes where the kernel runs."""
-        path = folder / m.model_file
-        if kernel is None:
-            return path
-        try:
-            rewritten, count = attention.rewrite(path.read_bytes(), m.head_dim, m.kv_dtype)
-        except (ValueError, IndexError):  # not a protobuf message: ONNX Runtime says what is wrong
-            return path
-        return rewritten if count else path
+        return rewritten if rewritten is not None else folder / m.model_file
 
     if not wanted(m, names):
-        return open_session(original(), opts, chosen, where), ""
+        return open_session(original(), opts, chosen, where), "", everywhere
     key = cache_key(m, folder)
     saved, damaged = saved_model(folder, key, whole=whole)
     if damaged:
@@ -229,10 +220,10 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
             if small is not None:
                 del session  # its mappings go: pages no one maps leave the page cache
                 session = _in_large_pages(m, saved, small, opts, chosen, notes)
-            return session, "loaded"
+            return session, "loaded", everywhere
     tmp = save_to(opts, folder)
     if tmp is None:
-        return open_session(original(), opts, chosen, where), ""
+        return open_session(original(), opts, chosen, where), "", everywhere
     try:
         session = open_session(original(), opts, chosen, where)
     except ArtifactError:
@@ -240,12 +231,28 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
         # again without saving, it reports what is wrong with the engine itself, if anything.
         discard(tmp)
         opts.optimized_model_filepath = ""
-        return open_session(original(), opts, chosen, where), ""
+        return open_session(original(), opts, chosen, where), "", everywhere
     except BaseException:
         discard(tmp)
         raise
     commit(tmp, folder, key)
-    return session, "saved"
+    return session, "saved", everywhere
+
+
+def _with_kernel(m: EngineManifest, folder: Path, opts: ort.SessionOptions,
+                 names: list[str]) -> tuple[bytes | None, bool]:
+    """Where edge-sd's attention kernel runs: its library registered in `opts` (before either graph
+    loads: the saved one holds its nodes), the engine's graph rewritten for it (None where no node
+    is), and whether it computes every attention of the graph (attention.rewrite)."""
+    kernel = attention_kernel(m, names)
+    if kernel is None:
+        return None, False
+    opts.register_custom_ops_library(str(kernel))
+    try:
+        graph, count, everywhere = attention.rewrite((folder / m.model_file).read_bytes(), m.head_dim, m.kv_dtype)
+    except (OSError, ValueError, IndexError):  # unreadable, or not a protobuf message: ONNX Runtime says
+        return None, False
+    return (graph, everywhere) if count else (None, False)
 
 
 def _in_large_pages(m: EngineManifest, saved: Path, small: large_pages.Residency, opts: ort.SessionOptions,

@@ -93,14 +93,15 @@ class OrtSession:
     # Set when the session is built: `__getattr__` builds a deferred one when any of them is first read.
     session: ort.InferenceSession
     graph_cache: str
+    attention_by_kernel: bool  # every attention node edge-sd's kernel (engines/attention.py)
     providers: list[str]
     kv_dtype: type
     device: str
     keeps_logits: bool
     consistency: dict | None
     head: lm_head.LmHead | None  # the LM head computed outside the graph, where it is
-    _BUILT = frozenset(("session", "graph_cache", "providers", "kv_dtype", "device", "keeps_logits", "consistency",
-                        "head"))
+    _BUILT = frozenset(("session", "graph_cache", "attention_by_kernel", "providers", "kv_dtype", "device",
+                        "keeps_logits", "consistency", "head"))
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes not set yet: those of a session not built yet.
@@ -124,8 +125,8 @@ class OrtSession:
     def _load(self) -> None:
         m = self.manifest
         opts, chosen, names = self._build_args
-        self.session, self.graph_cache = prepared.build(self.manifest, self.folder, opts, chosen, names,
-                                                        whole=self.verify_files, notes=self.notes)
+        self.session, self.graph_cache, self.attention_by_kernel = prepared.build(
+            self.manifest, self.folder, opts, chosen, names, whole=self.verify_files, notes=self.notes)
         self.providers = self.session.get_providers()
         unverified = [short for short, full in PROVIDERS.items() if short in UNVERIFIED and full in self.providers]
         if unverified:

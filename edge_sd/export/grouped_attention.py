@@ -21,7 +21,8 @@ The product is made to read the buffer after the writer has run: its query rows 
 a shape read off the writer's output. The `whole.*` inputs have no default (an empty one would give
 wrong attention, and switching between the two forms with an `If` made a step nearly three times
 slower): onnxruntime-genai, which binds only the inputs it knows, is given the graph as it was
-before this rewrite (`write_genai_graph`).
+before this rewrite (`write_genai_graph`). edge-sd's own runtime, where its attention kernel runs,
+computes a grouped layer's attention by that kernel over the whole cache instead (engines/attention.py).
 """
 
 from __future__ import annotations
