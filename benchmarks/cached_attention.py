@@ -2,7 +2,7 @@
 pair's target stepping at context depth with each.
 
     .venv/bin/python benchmarks/cached_attention.py [--pair engines/gemma3-270m_smollm2-135m]
-        [--depths 0,1024,2048,4096,8192] [--tokens 32] [--repeats 3]
+        [--depths 0,1024,2048,4096,8192] [--tokens 32] [--repeats 3] [--against first-form]
 
 Layer: Gemma-3-270M's shapes (4 query heads over one key/value head of 256), a shared fp32 buffer bound
 as past and present (as engines/kv.py binds it), `rows` query rows: a sliding-window layer (window 512)
@@ -18,7 +18,12 @@ are medians over --repeats, the 17-position forward's time over all of them. The
 too: the kernel sums in another order than ONNX Runtime's node, and the int8 activations of the
 target's products carry that into its logits, so near-ties may go either way.
 
-Writes benchmarks/results/cached_attention.{md,json,png}; `--report` writes table and plot again.
+`--against first-form`: the target only, the kernel over its graph as it runs now against the kernel
+over the graph as it first took it (commit 6127445: every attention node also over the previous row,
+the global layers' attention a grouped product beside the kernel's node, forwards split at 64).
+
+Writes benchmarks/results/cached_attention.{md,json,png} (cached_attention_graph.* with
+`--against first-form`); `--report` writes table and plot again.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ HEADS, DIM, WINDOW = 4, 256, 512
 LAYERS = {"window 512, 640 positions": (WINDOW, 640), "global, 1024": (-1, 1024), "global, 4096": (-1, 4096),
           "global, 8192": (-1, 8192)}
 ROWS = (1, 2, 5, 17, 256)
+FIRST_FORM = "first-form"
 
 
 def layer_session(kernel: bool, window: int, threads: int):
@@ -103,20 +109,27 @@ def layer_times(threads: int, runs: int) -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def target_runs(pair: Path, depths: list[int], tokens: int, repeats: int, threads: int) -> dict:
-    """Per depth, per engine (ONNX Runtime's attention, the kernel): step rate, prefill rate, a
-    17-position forward's milliseconds (medians), and how many greedy steps chose alike."""
+def target_runs(pair: Path, depths: list[int], tokens: int, repeats: int, threads: int, against: str) -> dict:
+    """Per depth, per engine (ONNX Runtime's attention or the kernel's first graph, the kernel): step
+    rate, prefill rate, a 17-position forward's milliseconds (medians), and how many greedy steps
+    chose alike."""
     import context_depth as cd
 
+    from edge_sd.engines import attention
     from edge_sd.manifest import load_pair_manifest
     from edge_sd.model import Model
 
     os.environ["EDGE_SD_RUNTIME_CACHE"] = "0"
     folder = pair / load_pair_manifest(pair).target
     engines = []
-    for flag in ("0", "1"):
+    simplified = attention._simplified
+    for flag in ("1" if against == FIRST_FORM else "0", "1"):
         os.environ["EDGE_SD_ATTENTION"] = flag
+        if against == FIRST_FORM and not engines:  # the graph as the kernel first took it (6127445)
+            attention._simplified = lambda graph: ([raw for *_, raw in graph], False)
         target = Model.load(folder, threads=threads).target
+        target.session.load()
+        attention._simplified = simplified
         engine = target.session.engine(release_window=True)
         engine.reserve(max(depths) + tokens + 20)
         engines.append(engine)
@@ -164,39 +177,56 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", choices=["node", FIRST_FORM], default="node",
+                    help="the target compared with ONNX Runtime's node, or with the kernel over the graph as it "
+                         "first took it (the previous row and the grouped product kept, forwards split at 64): "
+                         "then only the target runs, into cached_attention_graph.*")
     ap.add_argument("--report", action="store_true", help="only write the table and plot again from the JSON")
     ap.add_argument("-o", "--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
+    name = "cached_attention_graph" if args.against == FIRST_FORM else "cached_attention"
     if args.report:
-        print(write_results(args.out, "cached_attention", report, plot))
+        print(write_results(args.out, name, report, plot))
         return
     from edge_sd.engines import attention
 
     if attention.library()[0] is None:
         sys.exit(f"the attention kernel did not build: {attention.library()[1]}")
-    layers = layer_times(args.threads, args.runs)
-    target = target_runs(args.pair, [int(d) for d in args.depths.split(",")], args.tokens, args.repeats, args.threads)
+    layers = layer_times(args.threads, args.runs) if args.against == "node" else {}
+    target = target_runs(args.pair, [int(d) for d in args.depths.split(",")], args.tokens, args.repeats, args.threads,
+                         args.against)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(), "pair": str(args.pair),
               "options": {k: str(v) for k, v in vars(args).items()}, "layers": layers, "target": target}
-    print(write_results(args.out, "cached_attention", report, plot, result))
+    print(write_results(args.out, name, report, plot, result))
+
+
+def _labels(result: dict) -> tuple[str, str]:
+    """The two engines compared: the other one, and the kernel as it runs now."""
+    if result["options"].get("against") == FIRST_FORM:
+        return "the kernel's first graph", "the kernel's graph now"
+    return "ONNX Runtime", "kernel"
 
 
 def report(result: dict) -> str:
     m, o = result["machine"], result["options"]
+    first, now = _labels(result)
+    against = o.get("against", "node")
     lines = [
-        "# Cached attention: edge-sd's kernel against ONNX Runtime's GroupQueryAttention", "",
+        "# Cached attention: edge-sd's kernel against ONNX Runtime's GroupQueryAttention"
+        if against == "node" else "# The kernel's graph now against the graph as the kernel first took it", "",
         f"{result['date']}, {m['cpu']} ({m['cores']} cores), ONNX Runtime {m['onnxruntime']}, {o['threads']} threads "
-        "(`benchmarks/cached_attention.py`).", "",
-        "One layer (4 query heads over one key/value head of 256, fp32, a shared buffer), milliseconds a "
-        "call, median of interleaved calls:", "",
-        "| layer | rows | ONNX Runtime | kernel | ONNX Runtime / kernel |", "|---|---|---|---|---|",
-    ]
-    for name, by_rows in result["layers"].items():
-        for rows, (a, b) in by_rows.items():
-            lines.append(f"| {name} | {rows} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
-    lines += ["", f"The pair's target (`{Path(result['pair']).name}`), two sessions in one process taking turns, "
+        f"(`benchmarks/cached_attention.py --against {against}`).", ""]
+    if result["layers"]:
+        lines += ["One layer (4 query heads over one key/value head of 256, fp32, a shared buffer), milliseconds "
+                  "a call, median of interleaved calls:", "",
+                  "| layer | rows | ONNX Runtime | kernel | ONNX Runtime / kernel |", "|---|---|---|---|---|"]
+        for name, by_rows in result["layers"].items():
+            for rows, (a, b) in by_rows.items():
+                lines.append(f"| {name} | {rows} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
+        lines.append("")
+    lines += [f"The pair's target (`{Path(result['pair']).name}`), two sessions in one process taking turns, "
               f"{o['tokens']} greedy steps after each depth, medians of {o['repeats']} repeats:", "",
-              "| cached positions | steps, tok/s: ONNX Runtime / kernel | ratio | 17-position forward, ms | "
+              f"| cached positions | steps, tok/s: {first} / {now} | ratio | 17-position forward, ms | "
               "prefill, positions/s | greedy steps alike |", "|---|---|---|---|---|---|"]
     for d, v in result["target"].items():
         (a, b), (va, vb), (pa, pb) = v["steps"], v["verify"], v["prefill"]
@@ -204,7 +234,8 @@ def report(result: dict) -> str:
         lines.append(f"| {d} | {a:.1f} / {b:.1f} | {b / a:.2f}x | {va:.1f} / {vb:.1f} | {fill} | "
                      f"{v['same'][0]} of {v['same'][1]} |")
     lines += ["", "Greedy steps alike: the steps before the two engines' first different choice, summed over "
-              "the repeats. The kernel sums in another order than ONNX Runtime's node; the target's int8 "
+              "the repeats. The kernel sums in another order than ONNX Runtime's node (and than the grouped "
+              "product of the kernel's first graph, in its global layers); the target's int8 "
               "activations carry such differences into its logits (a few hundredths of their scale), where "
               "a near-tie can go either way. Each engine is exact against itself (a verification forward "
               "computes what its steps compute: tests/test_attention.py, tests/test_gguf.py)."]
@@ -219,7 +250,8 @@ def plot(result: dict, path: Path) -> None:
 
     depths = [int(d) for d in result["target"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, label in enumerate(("ONNX Runtime's GroupQueryAttention", "edge-sd's kernel")):
+    labels = ("ONNX Runtime's GroupQueryAttention", "edge-sd's kernel") if result["layers"] else _labels(result)
+    for i, label in enumerate(labels):
         ax.plot(depths, [v["steps"][i] for v in result["target"].values()], "o-", label=label)
     ax.set_xlabel("cached positions")
     ax.set_ylabel("greedy steps, tok/s")
