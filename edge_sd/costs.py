@@ -27,6 +27,11 @@ from edge_sd.manifest import write_aside
 # drafted with it where drafting lost; 9 runs cost well under a second more.
 CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 9
+# Target forwards measured over these many positions (and over k_max + 1), linear in between: up to
+# the longest verification auto runs, a prompt lookup draft of 16 and the position after it. A forward's
+# cost does not grow linearly in its positions (its products change kernels as rows are added), and
+# a line through the first and the last made a draft of a few tokens look cheaper than it ran.
+MEASURED_SIZES = (1, 2, 3, 5, 9, 17)
 # Estimates follow new measurements with this weight (exponential moving average), after a plain mean
 # over their first 1 / COST_WEIGHT measurements.
 COST_WEIGHT = 0.1
@@ -87,14 +92,14 @@ def by_size(target_bytes: int, drafter_bytes: int | None, k_max: int) -> Costs:
 def measure(target: OrtEngine, drafter: OrtEngine | None, k_max: int) -> Costs:
     """Target forwards over s = 1..k_max+1 positions, a drafter step and a drafter position caught up,
     timed now on these engines (which it leaves empty)."""
-    span = min(k_max + 1, target.manifest.max_context - CALIBRATION_CONTEXT)
+    span = min(max(k_max + 1, MEASURED_SIZES[-1]), target.manifest.max_context - CALIBRATION_CONTEXT)
     t_ids = np.arange(CALIBRATION_CONTEXT + span) % min(target.manifest.vocab_size, 1000) + 3
     # Each size runs once untimed first: a GPU's first forward of a new shape pays one-off costs
     # (several times a step), and a size first met mid-generation would teach the cost model that
     # drafting costs ten times what it does.
     median_forward(target, t_ids, CALIBRATION_CONTEXT, range(2, span), repeats=0)
-    one = median_forward(target, t_ids, CALIBRATION_CONTEXT, 1)
-    many = median_forward(target, t_ids, CALIBRATION_CONTEXT, span)
+    sizes = sorted({s for s in MEASURED_SIZES if s < span} | {span})
+    measured = {s: median_forward(target, t_ids, CALIBRATION_CONTEXT, s) for s in sizes}
     step = fill = 0.0  # no drafter (prompt lookup alone): no drafter forwards to pay
     if drafter is not None:
         d_ids = np.arange(CALIBRATION_CONTEXT + 1) % min(drafter.manifest.vocab_size, 1000) + 3
@@ -102,7 +107,7 @@ def measure(target: OrtEngine, drafter: OrtEngine | None, k_max: int) -> Costs:
         # A prompt's worth of positions at once (once untimed, once timed): from it alone auto judges
         # whether a generation's first draft gains back the drafter's prompt, until one has.
         fill = median_forward(drafter, d_ids, 1, CALIBRATION_CONTEXT - 1, repeats=1)
-    return Costs({s: one + (many - one) * (s - 1) / max(1, span - 1) for s in range(1, span + 1)},
+    return Costs({s: float(np.interp(s, sizes, [measured[x] for x in sizes])) for s in range(1, span + 1)},
                  step, max(0.0, fill - step) / (CALIBRATION_CONTEXT - 2))
 
 

@@ -21,7 +21,7 @@ from edge_sd.algorithms.standard import verify_greedy, verify_standard
 from edge_sd.engines.base import Engine
 from edge_sd.engines.consistency import SPLIT_AT
 from edge_sd.errors import EdgeSDError
-from edge_sd.sampling import Rows, SamplingConfig, draw
+from edge_sd.sampling import Rows, SamplingConfig, chain
 from edge_sd.schedules import Round, Schedule
 from edge_sd.stats import Stats
 from edge_sd.text_stream import TextStream
@@ -190,7 +190,11 @@ class Decoder:
         if self.cfg.greedy:  # every algorithm's rule reduces to: accept while c_i == argmax p_i
             return verify_greedy(cands, rows.penalized() if self.cfg.penalized else logits)
         if not cands:  # a plain sampled step
-            return 0, draw(logits[0], self.cfg, self.rng, rows.history)
+            dist = chain(logits[0], self.cfg, rows.history)
+            seen = getattr(self.schedule, "plain_step_seen", None)
+            if seen is not None:  # what a lookup draft would have had accepted here, at no cost
+                seen(dist.prob)
+            return 0, dist.sample(self.rng)
         return verifier(cands, q, rows, self.rng)
 
     def _commit(self, tokens: list[int]) -> tuple[list[int], str]:

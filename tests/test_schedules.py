@@ -470,3 +470,80 @@ def test_auto_starts_prompt_lookup_at_no_drafting_cost() -> None:
     costs = Costs({s: 0.02 + 0.001 * s for s in range(1, 18)}, 0.012, 0.002)
     sched = new_cost_schedule({"slem": slem, "lookup": LookupProposer([1, 2, 3])}, K, 16, costs, True, True)
     assert sched.costs.draft("lookup") == 0.0 and sched.costs.draft("slem") == 0.012
+
+
+def test_plain_steps_teach_lookup_its_acceptance_where_it_had_a_candidate() -> None:
+    """A plain sampled step where prompt lookup had a candidate: a lookup draft there would have been
+    accepted with the target's probability of it, which counts as a round of lookup's first
+    candidate. Probable candidates raise lookup's estimate until it drafts; improbable ones lower it;
+    a step where lookup has no match (the control) teaches nothing."""
+    from edge_sd.algorithms import LookupProposer
+
+    # a forward of two positions costs 1.3 steps: a draft pays only if accepted often enough
+    target = {s: 0.030 * (1 + 0.3 * (s - 1)) for s in range(1, K + 2)}
+
+    def fresh(history: list[int]) -> CostSchedule:
+        return CostSchedule({"lookup": LookupProposer(history)}, K, CostModel(target, {"lookup": 0.0}))
+
+    repeating = [5, 6, 7, 8, 9, 5, 6, 7]  # "6 7" was followed by 8: lookup proposes 8
+    low, high, none = fresh(repeating), fresh(repeating), fresh([1, 2, 3, 4])
+    asked = []
+    for sched, p in ((low, 0.02), (high, 0.95), (none, 0.95)):
+        for _ in range(30):
+            sched.plain_step_seen(lambda c, p=p: asked.append(c) or p)
+    assert set(asked) == {8}
+    assert low.acceptance["lookup"].rate(0) < 0.1 < 0.9 < high.acceptance["lookup"].rate(0)
+    assert none.acceptance["lookup"].tried == []
+    assert low.plan(K).proposer is None
+    plan = high.plan(K)
+    assert plan.proposer is not None and plan.proposer.name == "lookup"
+
+
+def test_costs_are_measured_at_several_sizes_up_to_the_longest_lookup_verification(tiny_root) -> None:
+    """A forward's cost is measured at 1, 2, 3, 5, 9 and 17 positions and interpolated between, so
+    that a few-token draft is charged what its forward costs, not a line through 1 and 17."""
+    from edge_sd import costs as costs_module
+    from edge_sd.engines.ort import OrtEngine
+
+    engine = OrtEngine(tiny_root / "engines" / "bl_llama", provider="cpu", threads=2)
+    seen: list[int] = []
+    forward = engine.forward
+
+    def counting(ids, *args, **kw):
+        seen.append(len(ids))
+        return forward(ids, *args, **kw)
+
+    engine.forward = counting
+    measured = costs_module.measure(engine, None, 6)
+    assert sorted(measured.target) == list(range(1, 18))
+    assert {1, 2, 3, 5, 9, 17} <= set(seen)
+    inside = measured.target
+    assert min(inside[3], inside[5]) <= inside[4] <= max(inside[3], inside[5])
+
+
+def test_a_sampled_plain_step_shows_the_schedule_what_lookup_would_have_had_accepted(pipelines, monkeypatch) -> None:
+    """In the decoding loop, each plain sampled step hands the cost schedule its distribution: the
+    probability it gives is the one the step drew from (a token drawn there with probability 0 never
+    is), for whichever candidate lookup has there."""
+    from edge_sd import GenerationConfig
+    from edge_sd.schedules.cost import CostSchedule
+
+    seen: list[tuple[int, float]] = []
+    original = CostSchedule.plain_step_seen
+
+    def spy(self, prob):
+        peek = self.proposers["lookup"].peek()
+        if peek is not None:
+            seen.append((peek, prob(peek)))
+        return original(self, prob)
+
+    from edge_sd.schedules import Plan
+
+    monkeypatch.setattr(CostSchedule, "plain_step_seen", spy)
+    monkeypatch.setattr(CostSchedule, "plan", lambda self, budget, open_ended=False: Plan(None, 0))  # plain steps
+    pipe = pipelines["gemma_qwen"]
+    prompt = "one two three four one two three four one two three four one two"
+    r = pipe.generate(prompt, GenerationConfig(max_new_tokens=24, temperature=1.0, seed=3, schedule="cost"))
+    assert r.stats.schedule["rounds"] == {"plain": 23}  # the first token comes from the prefill
+    assert seen and all(0.0 <= p <= 1.0 for _, p in seen) and len({p for _, p in seen}) > 1
+    assert r.stats.schedule["acceptance"]["lookup"]  # learnt without a lookup draft

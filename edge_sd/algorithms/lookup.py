@@ -82,6 +82,11 @@ class LookupProposer:
         """How many candidates a draft of up to k would propose now (0: no match)."""
         return len(self._continuation(k))
 
+    def peek(self) -> int | None:
+        """The candidate a draft of one would propose now (None: no match)."""
+        found = self._continuation(1)
+        return found[0] if found else None
+
     def _continuation(self, k: int) -> list[int]:
         self._index()
         h = self.history

@@ -3,6 +3,7 @@ per second, from the engines' costs (costs.CostModel) and the acceptance seen so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,14 @@ class Acceptance:
         for i in range(min(proposed, accepted + 1)):
             self.tried[i] += 1.0
             self.accepted[i] += 1.0 if i < accepted else 0.0
+
+    def expect_first(self, p: float) -> None:
+        """A first candidate that would have been accepted with probability p (not drafted)."""
+        if not self.tried:
+            self.tried.append(0.0)
+            self.accepted.append(0.0)
+        self.tried[0] += 1.0
+        self.accepted[0] += p
 
     def expected_tokens(self, m: int, optimism: float = 0.0) -> float:
         """1 + a_1 + a_1 a_2 + ... + a_1...a_m: the tokens a round with m drafts emits on average."""
@@ -269,6 +278,21 @@ class CostSchedule:
                 # a probe is made whatever it is expected to give: anything faster takes the round
                 expected = max(rates[best_algo]) if drafts else 0.0
         return best_algo, best_m, expected
+
+    def plain_step_seen(self, prob: Callable[[int], float]) -> None:
+        """A plain sampled step's distribution (`prob`: a token's probability under it). Where prompt
+        lookup has a candidate for the position, a lookup draft there would have been accepted with
+        that candidate's probability (a proposal made with certainty is accepted with the target's
+        probability of it): its expectation counts as a round of lookup's first candidate, decayed as
+        drafted rounds are. So lookup's acceptance is learnt from every plain step, not only from
+        drafts that cost a verification forward each, which under sampling are often rejected."""
+        for name in self._free:
+            peek = getattr(self.proposers[name], "peek", None)
+            candidate = peek() if peek is not None else None
+            if candidate is not None:
+                acceptance = self.acceptance[name]
+                acceptance.decay()
+                acceptance.expect_first(prob(candidate))
 
     def observe(self, plan: Plan, r: Round) -> None:
         proposed, accepted = r.proposed, r.accepted

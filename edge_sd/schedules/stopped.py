@@ -3,6 +3,7 @@ ends a drafter's draft sooner (DISCO's classifier, the confidence cut)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -52,6 +53,11 @@ class StoppedSchedule:
 
     def observe(self, plan: Plan, r: Round) -> None:
         self.inner.observe(plan, r)
+
+    def plain_step_seen(self, prob: Callable[[int], float]) -> None:
+        seen = getattr(self.inner, "plain_step_seen", None)
+        if seen is not None:
+            seen(prob)
 
     def summary(self) -> dict:
         return self.inner.summary()
