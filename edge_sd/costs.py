@@ -29,8 +29,8 @@ CALIBRATION_CONTEXT = 64
 CALIBRATION_REPEATS = 9
 # Target forwards measured over these many positions (and over k_max + 1), linear in between: up to
 # the longest verification auto runs, a prompt lookup draft of 16 and the position after it. A forward's
-# cost does not grow linearly in its positions (its products change kernels as rows are added), and
-# a line through the first and the last made a draft of a few tokens look cheaper than it ran.
+# cost does not grow linearly in its positions (its products change kernels as rows are added): a line
+# through two sizes misstates the others.
 MEASURED_SIZES = (1, 2, 3, 5, 9, 17)
 # Estimates follow new measurements with this weight (exponential moving average), after a plain mean
 # over their first 1 / COST_WEIGHT measurements.

@@ -201,6 +201,14 @@ def test_the_kernels_graph_drops_the_previous_row_and_computes_what_it_computed_
     assert not any(n.op_type == "Concat" and set(n.output) & {x for k in kernel for x in k.input} for n in graph.node)
     assert len(graph.node) < len(onnx.load_from_string(before).graph.node) - 6 * count
 
+    # One node the kernel does not take (a softcap): it stays ONNX Runtime's, so not every attention
+    # is the kernel's and the engine keeps splitting its forwards.
+    capped = onnx.load_from_string(before)
+    first = next(n for n in capped.graph.node if n.op_type == "GroupQueryAttention")
+    first.attribute.append(helper.make_attribute("softcap", 30.0))
+    _, partly, not_everywhere = attention.rewrite(capped.SerializeToString(), m.head_dim, m.kv_dtype)
+    assert partly == count - 1 and not not_everywhere
+
     monkeypatch.setenv(attention.ENV, "1")
     monkeypatch.setenv("EDGE_SD_RUNTIME_CACHE", "0")
     dropped = OrtEngine(folder, provider="cpu", threads=2)

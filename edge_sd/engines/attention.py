@@ -221,19 +221,22 @@ def _simplified(graph: list[tuple[int, int, Any, bytes]]) -> tuple[list[bytes], 
     kernel = [node for node in nodes.values() if node.op == OP and node.domain == DOMAIN and len(node.inputs) >= 5]
     for node in kernel:
         _own_rows(node, producer, readers, dropped)
-    # a grouped product's last node: named "<attention node>/grouped/<its output>"
+    # A grouped product's last node is named "<attention node>/grouped/<its output>". The engine gives
+    # the kernel the whole cache only where every attention is the kernel's (`everywhere`): so every
+    # product is replaced, or none.
     products = {p.name[: -len(f"/grouped/{p.outputs[0]}")]: p for p in nodes.values()
                 if p.outputs and p.outputs[0] and p.name.endswith(f"/grouped/{p.outputs[0]}")}
-    for node in kernel:
-        if node.changed and not readers.get(node.outputs[0]) and node.name in products:
+    writers = [node for node in kernel if node.changed and not readers.get(node.outputs[0])]
+    no_node = all(node.op != "GroupQueryAttention" for node in nodes.values())
+    if no_node and all(node.name in products for node in writers):
+        for node in writers:
             node.outputs[0] = products[node.name].outputs[0]
             dropped.add(id(products[node.name]))
     if not any(node.changed for node in kernel):
         return [raw for *_, raw in graph], False
     read = {_value_name(v) for n, k, v, _ in graph if n == _GRAPH_OUTPUT and k == 2}
     read.update(x for node in nodes.values() if id(node) not in dropped for x in node.inputs)
-    everywhere = all(node.op != "GroupQueryAttention" for node in nodes.values()) and all(
-        node.outputs[0] in read for node in kernel)
+    everywhere = no_node and all(node.outputs[0] in read for node in kernel)
     # a subgraph (If, Loop) may read a tensor no node of this graph lists: nothing is pruned then
     return _rewired(graph, nodes, dropped, prune=not any(n.has_subgraph() for n in nodes.values())), everywhere
 
