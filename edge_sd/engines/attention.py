@@ -95,6 +95,11 @@ _NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP, _NODE_DOMAIN, _NODE_ATTR = 1, 2
 _ATTR_NAME, _ATTR_F, _ATTR_I, _ATTR_GRAPH, _ATTR_GRAPHS = 1, 2, 3, 6, 11
 
 
+def _signed(value: int) -> int:
+    """An int64 attribute's value from its varint (negative ones are written as 64-bit two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _node(data: bytes) -> bytes | None:
     """A NodeProto as CachedAttention, or None where it is not a GroupQueryAttention node the kernel
     computes as it is used: the rotary embedding applied before it, no softcap, seven inputs, query
@@ -112,7 +117,7 @@ def _node(data: bytes) -> bytes | None:
             name = next((pv for pn, _, pv, _ in parts if pn == _ATTR_NAME), b"")
             for pn, pk, pv, _ in parts:
                 if pn == _ATTR_I and pk == 0:
-                    attrs[name] = pv - (1 << 64) if pv >= 1 << 63 else pv
+                    attrs[name] = _signed(pv)
                 elif pn == _ATTR_F and pk == 5:
                     attrs[name] = struct.unpack("<f", pv.to_bytes(4, "little"))[0]
     heads, kv = int(attrs.get(b"num_heads", 0)), int(attrs.get(b"kv_num_heads", 0))
@@ -142,10 +147,9 @@ def rewrite(model: bytes, head_dim: int, kv_dtype: str) -> tuple[bytes, int, boo
             for gn, gk, gv, graw in protobuf.fields(v):
                 node = _node(gv) if gn == _GRAPH_NODE and gk == 2 else None
                 count += node is not None
-                graph.append(graw if node is None else protobuf.field(_GRAPH_NODE, node))
-            if count:
-                graph, everywhere = _simplified(protobuf.fields(b"".join(graph)))
-            raw = protobuf.field(_MODEL_GRAPH, b"".join(graph))
+                graph.append((gn, gk, gv, graw) if node is None else (gn, gk, node, protobuf.field(_GRAPH_NODE, node)))
+            parts, everywhere = _simplified(graph) if count else ([raw for *_, raw in graph], False)
+            raw = protobuf.field(_MODEL_GRAPH, b"".join(parts))
         out.append(raw)
     if count:
         out.append(protobuf.field(_MODEL_OPSET, protobuf.field(1, DOMAIN.encode()) + protobuf.int_field(2, 1)))
@@ -182,8 +186,7 @@ class _Node:
             if n == _NODE_ATTR and k == 2:
                 parts = protobuf.fields(v)
                 if next((pv for pn, _, pv, _ in parts if pn == _ATTR_NAME), b"") == name:
-                    return next((pv - (1 << 64) if pv >= 1 << 63 else pv
-                                 for pn, pk, pv, _ in parts if pn == _ATTR_I and pk == 0), None)
+                    return next((_signed(pv) for pn, pk, pv, _ in parts if pn == _ATTR_I and pk == 0), None)
         return None
 
     def has_subgraph(self) -> bool:

@@ -195,13 +195,11 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
     damaged cache is reported."""
     where = (folder / m.model_file).parent
     rewritten, everywhere = _with_kernel(m, folder, opts, names)
-
-    def original() -> Path | bytes:
-        """The engine's graph, with edge-sd's attention nodes where the kernel runs."""
-        return rewritten if rewritten is not None else folder / m.model_file
+    # The engine's graph, with edge-sd's attention nodes where the kernel runs.
+    original = rewritten if rewritten is not None else folder / m.model_file
 
     if not wanted(m, names):
-        return open_session(original(), opts, chosen, where), "", everywhere
+        return open_session(original, opts, chosen, where), "", everywhere
     key = cache_key(m, folder)
     saved, damaged = saved_model(folder, key, whole=whole)
     if damaged:
@@ -223,15 +221,15 @@ def build(m: EngineManifest, folder: Path, opts: ort.SessionOptions, chosen: lis
             return session, "loaded", everywhere
     tmp = save_to(opts, folder)
     if tmp is None:
-        return open_session(original(), opts, chosen, where), "", everywhere
+        return open_session(original, opts, chosen, where), "", everywhere
     try:
-        session = open_session(original(), opts, chosen, where)
+        session = open_session(original, opts, chosen, where)
     except ArtifactError:
         # ONNX Runtime fails the whole load when it cannot write the graph (a full disk, say): loaded
         # again without saving, it reports what is wrong with the engine itself, if anything.
         discard(tmp)
         opts.optimized_model_filepath = ""
-        return open_session(original(), opts, chosen, where), "", everywhere
+        return open_session(original, opts, chosen, where), "", everywhere
     except BaseException:
         discard(tmp)
         raise
